@@ -1,0 +1,35 @@
+"""Atom's core: configuration, requests, paged KV blocks, scheduling and the plugin hooks.
+
+Everything model-specific (models, attention kernels, samplers, proposers) arrives as
+a plugin through the "atom" entry-point group; this package imports none of them.
+"""
+
+from atom_core.block_manager import Block, BlockManager
+from atom_core.config import Config, SpeculativeConfig
+from atom_core.hookspecs import hookimpl
+from atom_core.plugins import get_plugin_manager, get_registry
+from atom_core.registry import Registry, RegistryError
+from atom_core.request import RequestOutput
+from atom_core.sampling_params import SamplingParams
+from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler
+from atom_core.sequence import Sequence, SequenceStatus, SequenceType
+
+__all__ = [
+    "Block",
+    "BlockManager",
+    "Config",
+    "RequestOutput",
+    "Registry",
+    "RegistryError",
+    "SamplingParams",
+    "ScheduledBatch",
+    "ScheduledBatchOutput",
+    "Scheduler",
+    "Sequence",
+    "SequenceStatus",
+    "SequenceType",
+    "SpeculativeConfig",
+    "get_plugin_manager",
+    "get_registry",
+    "hookimpl",
+]

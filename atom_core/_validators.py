@@ -1,0 +1,38 @@
+"""attrs validators whose messages name the field, the limit and the value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+
+def positive(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attr.name} must be a positive integer, got {value!r}")
+
+
+def non_negative_int(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attr.name} must be an integer >= 0, got {value!r}")
+
+
+def non_negative_float(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attr.name} must be a finite number >= 0, got {value!r}")
+
+
+def in_unit_interval(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    """(0, 1]: a fraction that must leave something."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{attr.name} must be in (0, 1], got {value!r}")
+
+
+def optional_token_id(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attr.name} must be a token id (integer >= 0) or None, got {value!r}")

@@ -1,0 +1,213 @@
+"""Paged KV memory: a fixed pool of blocks, shared between sequences by prefix hash.
+
+Each full block is named by an xxhash64 chained through the previous block's hash,
+so equal token content after different prefixes never collides. A freed block keeps
+its hash and contents until it is handed out again, so a later request with the same
+prefix can revive it. The pool of per-request state groups (GDN) lives here too,
+because admission must wait for a group exactly as it waits for blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from atom_core.config import Config
+from atom_core.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+    def update(self, hash: int, token_ids: list[int]) -> None:
+        self.hash = hash
+        self.token_ids = list(token_ids)
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
+
+
+class BlockManager:
+    def __init__(self, config: Config):
+        if config.num_kvcache_blocks is None:
+            raise ValueError(
+                "num_kvcache_blocks is None: a model runner sizes the KV pool from memory; "
+                "set Config(num_kvcache_blocks=N) to use the BlockManager on its own"
+            )
+        self.block_size = config.kv_cache_block_size
+        self.num_blocks = config.num_kvcache_blocks
+        self.blocks: list[Block] = [Block(i) for i in range(self.num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))
+        self.used_block_ids: set[int] = set()
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.num_per_req_cache_groups = config.num_per_req_cache_groups
+        self.per_req_cache_free_groups: deque[int] = deque(range(self.num_per_req_cache_groups))
+        self.per_req_cache_used_groups: set[int] = set()
+        # One-entry memo of the last prefix lookup; any change to the pool invalidates it.
+        self._version = 0
+        self._memo: tuple[Sequence, int, int, list[int]] | None = None
+
+    @classmethod
+    def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    # -- prefix lookup -------------------------------------------------------------
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`.
+
+        The last token is never served from cache: the model must run it to produce
+        the first output token. So a hit covers at most `(num_tokens - 1) // block_size`
+        whole blocks, and a block with ref_count > 1 is never written to.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        memo = self._memo
+        if memo is not None and memo[0] is seq and memo[1] == seq.num_tokens and memo[2] == self._version:
+            return memo[3]
+        hits: list[int] = []
+        h = -1
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break  # a miss is sticky: later blocks hang off a different chain
+            hits.append(block_id)
+        self._memo = (seq, seq.num_tokens, self._version, hits)
+        return hits
+
+    def num_prefix_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens `allocate(seq)` would serve from the prefix cache right now."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
+    # -- allocation ----------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        shared = sum(1 for b in hits if b in self.used_block_ids)  # cost no free block
+        if len(self.free_block_ids) < seq.num_blocks - shared:
+            return False
+        if seq.has_per_req_cache and seq.per_req_cache_group == -1:
+            return len(self.per_req_cache_free_groups) > 0
+        return True
+
+    def allocate(self, seq: Sequence) -> None:
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.id} already holds blocks {seq.block_table}")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.id}; call can_allocate first")
+        hits = self._prefix_hits(seq)
+        h = -1
+        for i in range(seq.num_blocks):
+            token_ids = seq.block(i)
+            if self.enable_prefix_caching and len(token_ids) == self.block_size:
+                h = self.compute_hash(token_ids, h)
+            else:
+                h = -1
+            if i < len(hits):
+                block_id = hits[i]
+                block = self.blocks[block_id]
+                if block_id in self.used_block_ids:
+                    block.ref_count += 1
+                else:
+                    self.free_block_ids.remove(block_id)  # revive: contents are still valid
+                    block.ref_count = 1
+                    self.used_block_ids.add(block_id)
+                seq.num_cached_tokens += self.block_size
+            else:
+                block_id = self._take_free_block()
+                block = self.blocks[block_id]
+            if h != -1:
+                block.update(h, token_ids)
+                self.hash_to_block_id[h] = block_id
+            seq.block_table.append(block_id)
+        if seq.has_per_req_cache and seq.per_req_cache_group == -1:
+            group = self.per_req_cache_free_groups.popleft()
+            self.per_req_cache_used_groups.add(group)
+            seq.per_req_cache_group = group
+        self._version += 1
+
+    def _take_free_block(self) -> int:
+        """Hand out the least recently freed block, dropping its stale hash entry."""
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                if block.hash == -1:
+                    self.free_block_ids.appendleft(block_id)  # nothing to reuse: recycle first
+                else:
+                    self.free_block_ids.append(block_id)  # keep cached content longest
+        seq.num_cached_tokens = 0
+        seq.block_table.clear()
+        if seq.per_req_cache_group != -1:
+            self.per_req_cache_used_groups.remove(seq.per_req_cache_group)
+            self.per_req_cache_free_groups.append(seq.per_req_cache_group)
+            seq.per_req_cache_group = -1
+        self._version += 1
+
+    # -- decode growth -------------------------------------------------------------
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        # This step writes KV for positions [len(seq) - 1, len(seq) - 1 + num_new_tokens).
+        needed = (seq.num_tokens + num_new_tokens - 1 + self.block_size - 1) // self.block_size
+        return max(0, needed - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
+
+    def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        missing = self._num_missing_blocks(seq, num_new_tokens)
+        if missing > len(self.free_block_ids):
+            raise RuntimeError(f"not enough free KV blocks to extend sequence {seq.id}; call can_append first")
+        for _ in range(missing):
+            seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(seq)
+        self._version += 1
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        """Publish every block that decoding has filled, chaining from the last hashed one."""
+        table = seq.block_table
+        num_full = seq.num_tokens // self.block_size
+        first = num_full
+        while first > 0 and self.blocks[table[first - 1]].hash == -1:
+            first -= 1
+        for i in range(first, num_full):
+            prefix = self.blocks[table[i - 1]].hash if i > 0 else -1
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, prefix)
+            self.blocks[table[i]].update(h, token_ids)
+            self.hash_to_block_id[h] = table[i]

@@ -1,0 +1,69 @@
+"""Engine configuration: one attrs class whose fields and defaults follow ATOM's Config."""
+
+from __future__ import annotations
+
+import attrs
+
+from atom_core._validators import (
+    in_unit_interval,
+    non_negative_float,
+    non_negative_int,
+    optional_token_id,
+    positive,
+)
+
+
+def _block_size(inst: object, attr: attrs.Attribute, value: object) -> None:
+    # Paged-attention kernels tile the block in 16-token steps; 1 is the degenerate
+    # "one token per page" layout that ATOM also allows.
+    if not isinstance(value, int) or isinstance(value, bool) or not (value == 1 or (value > 0 and value % 16 == 0)):
+        raise ValueError(f"{attr.name} must be a positive multiple of 16 or exactly 1, got {value!r}")
+
+
+def _token_id_list(value: object) -> list[int]:
+    ids = list(value or [])
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
+    return ids
+
+
+@attrs.define(kw_only=True)
+class SpeculativeConfig:
+    """Draft-and-verify decoding: each decode step checks `num_speculative_tokens` drafts."""
+
+    method: str = "mtp"
+    model: str | None = None
+    num_speculative_tokens: int = attrs.field(default=1, validator=positive)
+
+
+@attrs.define(kw_only=True)
+class Config:
+    """Everything the scheduler, block manager and (later) the model runner read.
+
+    A Config needs no model: `Config(num_kvcache_blocks=64)` is enough to drive a
+    Scheduler. `num_kvcache_blocks=None` means "size the pool from memory", which
+    only a model runner can do.
+    """
+
+    model: str | None = None
+    max_num_seqs: int = attrs.field(default=512, validator=positive)
+    max_num_batched_tokens: int = attrs.field(default=16384, validator=positive)
+    kv_cache_block_size: int = attrs.field(default=16, validator=_block_size)
+    enable_prefix_caching: bool = False
+    scheduler_delay_factor: float = attrs.field(default=0.0, validator=non_negative_float)
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=in_unit_interval)
+    num_kvcache_blocks: int | None = attrs.field(default=None, validator=positive)
+    max_model_len: int | None = attrs.field(default=None, validator=positive)
+    bos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
+    eos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=_token_id_list)
+    speculative_config: SpeculativeConfig | None = None
+    # Per-request state groups for stateful attention (GDN); 0 = the model keeps none.
+    num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
+    # How many KV blocks one group's bytes are worth, for sizing the pool.
+    per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0

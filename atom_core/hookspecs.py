@@ -1,0 +1,33 @@
+"""The hooks a plugin implements. Each hands the plugin a registry to add names to.
+
+A plugin is any module or object with functions marked `@atom_core.hookimpl`,
+published under the entry-point group "atom" (see README, "Writing a plugin").
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("atom")
+hookimpl = pluggy.HookimplMarker("atom")
+
+
+@hookspec
+def atom_register_models(registry):
+    """Register model classes by HF `architectures` name, e.g.
+    `registry.register("LlamaForCausalLM", "my_pkg.llama:LlamaForCausalLM")`."""
+
+
+@hookspec
+def atom_register_attention_builders(registry):
+    """Register AttentionMetadataBuilder classes by attention type ("mha", "mla", "gdn", ...)."""
+
+
+@hookspec
+def atom_register_samplers(registry):
+    """Register samplers by name ("default", ...)."""
+
+
+@hookspec
+def atom_register_proposers(registry):
+    """Register speculative-decoding proposers by method name ("eagle", "mtp", "ngram", ...)."""

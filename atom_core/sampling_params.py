@@ -1,0 +1,57 @@
+"""Per-request sampling settings, validated where the user sets them."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+def _temperature(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {value!r}")
+
+
+def _top_k(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {value!r}")
+
+
+def _top_p(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {value!r}")
+
+
+def _max_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {value!r}")
+
+
+def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"seed must be an integer or None, got {value!r}")
+
+
+def _stop_strings(value: object) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop_strings must be non-empty strings, got {s!r}")
+    return items
+
+
+@attrs.define(kw_only=True)
+class SamplingParams:
+    temperature: float = attrs.field(default=1.0, validator=_temperature)
+    top_k: int = attrs.field(default=-1, validator=_top_k)
+    top_p: float = attrs.field(default=1.0, validator=_top_p)
+    max_tokens: int = attrs.field(default=64, validator=_max_tokens)
+    ignore_eos: bool = False
+    stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
+    seed: int | None = attrs.field(default=None, validator=_seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

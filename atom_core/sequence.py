@@ -1,0 +1,130 @@
+"""A request's state from arrival to finish: tokens, blocks, status and timing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+from itertools import count
+from typing import Any
+
+from atom_core.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+    EXIT_ENGINE = auto()
+
+
+class SequenceType(Enum):
+    DUMMY = auto()
+    PREFILL = auto()
+    DECODE = auto()
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+class Sequence:
+    counter = count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        block_size: int,
+        sampling_params: SamplingParams = _DEFAULT_PARAMS,
+        stop_token_sequences: list[list[int]] | None = None,
+        stream_callback: Callable[[Any], None] | None = None,
+        id: int | None = None,
+        has_per_req_cache: bool = False,
+    ):
+        if len(token_ids) == 0:
+            raise ValueError("token_ids must hold at least one token, got an empty prompt")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.id = id if id is not None else next(Sequence.counter)
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.type = SequenceType.DUMMY
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.sampling_params = sampling_params
+        self.temperature = sampling_params.temperature
+        self.top_k = sampling_params.top_k
+        self.top_p = sampling_params.top_p
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.stop_strings = list(sampling_params.stop_strings)
+        self.stop_token_sequences = [list(s) for s in (stop_token_sequences or []) if s]
+        self.stream_callback = stream_callback
+        self.output_tokens: list[int] = []  # new tokens not yet streamed
+        self.spec_token_ids: list[int] = []
+        self.num_placeholder = 0
+        # Stateful attention (GDN) keeps one state group per request outside the paged pool.
+        self.has_per_req_cache = has_per_req_cache
+        self.per_req_cache_group = -1
+        self.arrive_time = 0.0
+        self.first_token_time = 0.0
+        self.leave_time = 0.0
+        self.leave_reason = ""
+
+    def __len__(self) -> int:
+        return self._num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.id}, status={self.status.name}, type={self.type.name}, "
+            f"num_tokens={self._num_tokens}, num_prompt_tokens={self.num_prompt_tokens}, "
+            f"block_table={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self._num_tokens
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        self._num_tokens = value
+        self.num_blocks = (value + self.block_size - 1) // self.block_size
+        self.last_block_num_tokens = value - (self.num_blocks - 1) * self.block_size
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self._num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens : self._num_tokens]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids that block `i` of this sequence holds."""
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"block index {i} out of range for a sequence of {self.num_blocks} blocks")
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.output_tokens.append(token_id)
+        self.num_tokens = self._num_tokens + 1
