@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+
+from atom_core import Config, SamplingParams, Scheduler, Sequence, get_plugin_manager
+
+
+def make_seq(n: int | list[int], block_size: int = 16, start: int = 0, **params) -> Sequence:
+    """A sequence of `n` distinct tokens (or the given list), with sampling params."""
+    tokens = list(range(start, start + n)) if isinstance(n, int) else list(n)
+    return Sequence(tokens, block_size, SamplingParams(**params))
+
+
+def make_scheduler(**config) -> Scheduler:
+    config.setdefault("num_kvcache_blocks", 64)
+    return Scheduler(Config(**config))
+
+
+@pytest.fixture
+def plugin_manager():
+    """The real plugin manager; plugins a test registers are removed after it."""
+    pm = get_plugin_manager()
+    before = {id(p) for p in pm.get_plugins()}
+    yield pm
+    for plugin in list(pm.get_plugins()):
+        if id(plugin) not in before:
+            pm.unregister(plugin)
