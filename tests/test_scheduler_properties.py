@@ -1,0 +1,249 @@
+"""Random workloads against the scheduler, checked after every step.
+
+Besides the pool's bookkeeping, a shadow KV cache plays the model: every scheduled
+token is "written" to its slot (as the hash of the whole prefix that produced it),
+and every position a request attends to is read back. A block shared wrongly,
+freed while still in use, or hit with the wrong contents shows up as a bad read.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from atom_core import (
+    Config,
+    SamplingParams,
+    ScheduledBatchOutput,
+    Scheduler,
+    Sequence,
+    SequenceStatus,
+    SpeculativeConfig,
+)
+
+VOCAB = range(0, 30)  # small, so generated text also produces shared prefixes
+EOS = 0
+
+configs = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([1, 16]),
+        "num_blocks": st.integers(4, 24),
+        "enable_prefix_caching": st.booleans(),
+        "max_num_seqs": st.integers(1, 6),
+        "max_num_batched_tokens": st.integers(8, 200),
+        "groups": st.integers(0, 3),
+        "k": st.sampled_from([0, 0, 1, 2]),
+        "max_model_len": st.one_of(st.none(), st.integers(20, 200)),
+    }
+)
+# One operation: (roll, seed, prefix, suffix, max_tokens, ignore_eos, per_req). The roll
+# picks arrive (20%), step (77%) or abort (3%); the rest describe an arrival.
+operations = st.lists(
+    st.tuples(
+        st.integers(0, 99),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 3),  # which shared prefix
+        st.lists(st.integers(1, 29), max_size=20),  # the request's own suffix
+        st.integers(1, 64),  # max_tokens
+        st.booleans(),  # ignore_eos
+        st.booleans(),  # has_per_req_cache
+    ),
+    min_size=40,
+    max_size=250,
+)
+prefixes = st.lists(st.lists(st.integers(1, 29), max_size=40), min_size=4, max_size=4)
+
+
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class Harness:
+    def __init__(self, cfg: dict):
+        self.bs = cfg["block_size"]
+        num_blocks = cfg["num_blocks"] * (16 if self.bs == 1 else 1)
+        spec = SpeculativeConfig(num_speculative_tokens=cfg["k"]) if cfg["k"] else None
+        self.k = cfg["k"]
+        self.sched = Scheduler(
+            Config(
+                num_kvcache_blocks=num_blocks,
+                kv_cache_block_size=self.bs,
+                enable_prefix_caching=cfg["enable_prefix_caching"],
+                max_num_seqs=cfg["max_num_seqs"],
+                max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                num_per_req_cache_groups=cfg["groups"],
+                max_model_len=cfg["max_model_len"],
+                eos_token_id=EOS,
+                speculative_config=spec,
+            )
+        )
+        self.shadow: dict[tuple[int, int], int] = {}
+        self.all: list[Sequence] = []
+        self.steps = 0
+
+    def arrive(self, prompt: list[int], max_tokens: int, ignore_eos: bool, per_req: bool) -> None:
+        seq = Sequence(
+            prompt or [1],
+            self.bs,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+            has_per_req_cache=per_req,
+        )
+        self.all.append(seq)
+        self.sched.add(seq)
+
+    def abort(self, pick: int) -> None:
+        live = [s for s in self.all if not s.is_finished]
+        if live:
+            seq = live[pick % len(live)]
+            assert self.sched.abort(seq.id) is seq
+            assert seq.leave_reason == "abort"
+
+    def step(self, seed: int) -> bool:
+        rng = random.Random(seed)
+        out = self.sched.schedule()
+        if out is None:
+            assert not self.sched.has_unfinished_requests()
+            return False
+        self.steps += 1
+        batch, seqs = out
+        self.check_batch(batch, seqs)
+        tokens, drafts = {}, {}
+        for sid, seq in seqs.items():
+            proposed = batch.scheduled_spec_decode_tokens.get(sid, [])
+            accepted = proposed[: rng.randint(0, len(proposed))]
+            tokens[sid] = tuple(accepted) + (rng.choice(VOCAB),)
+            if self.k:
+                drafts[sid] = [rng.choice(VOCAB) for _ in range(self.k)]
+        # An abort between schedule and postprocess must be harmless.
+        if seqs and rng.random() < 0.05:
+            victim = rng.choice(list(seqs.values()))
+            self.sched.abort(victim.id)
+        finished = self.sched.postprocess(list(seqs.values()), ScheduledBatchOutput(tokens, drafts or None))
+        for seq in finished:
+            assert seq.is_finished and seq.block_table == [] and seq.per_req_cache_group == -1
+        self.check_pool()
+        return True
+
+    def check_batch(self, batch, seqs) -> None:
+        """Write every scheduled token into the shadow cache, then read every context back."""
+        streams = {}
+        written = []
+        for sid, n in zip(batch.req_ids, batch.num_scheduled_tokens):
+            seq = seqs[sid]
+            stream = seq.token_ids + batch.scheduled_spec_decode_tokens.get(sid, [])
+            hashes = prefix_hashes(stream)
+            streams[sid] = (seq, stream, hashes)
+            assert len(seq.block_table) * self.bs >= len(stream), "KV slots missing"
+            for p in range(len(stream) - n, len(stream)):
+                self.shadow[(seq.block_table[p // self.bs], p % self.bs)] = hashes[p]
+                written.append(stream[p])
+        assert batch.scheduled_tokens == written
+        for sid, (seq, stream, hashes) in streams.items():
+            for p in range(len(stream)):
+                assert self.shadow.get((seq.block_table[p // self.bs], p % self.bs)) == hashes[p], (
+                    f"request {sid} reads a wrong KV entry at position {p}"
+                )
+        if batch.is_prefill:
+            for sid, n, cached in zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_cached_tokens):
+                seq = seqs[sid]
+                assert cached % self.bs == 0 and cached <= seq.num_tokens - 1
+                assert n == seq.num_tokens - cached
+
+    def check_pool(self) -> None:
+        sched, bm = self.sched, self.sched.block_manager
+        holders = Counter(b for s in sched.running for b in s.block_table)
+        for block in bm.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0)
+        free = set(bm.free_block_ids)
+        assert len(free) == len(bm.free_block_ids), "a block is twice in the free list"
+        assert free.isdisjoint(bm.used_block_ids)
+        assert len(free) + len(bm.used_block_ids) == len(bm.blocks)
+        assert bm.used_block_ids == set(holders)
+        for h, block_id in bm.hash_to_block_id.items():
+            assert bm.blocks[block_id].hash == h
+        for seq in sched.running:
+            assert seq.status == SequenceStatus.RUNNING
+            # KV exists for every token but the last sampled one (plus its reserved drafts).
+            needed = -(-(seq.num_tokens - 1) // self.bs)
+            assert needed <= len(seq.block_table) <= -(-(seq.num_tokens - 1 + self.k) // self.bs)
+            for i, block_id in enumerate(seq.block_table):
+                block = bm.blocks[block_id]
+                if block.hash != -1:
+                    assert block.token_ids == seq.block(i)
+            assert (seq.per_req_cache_group != -1) == seq.has_per_req_cache
+        for seq in sched.waiting:
+            assert seq.status == SequenceStatus.WAITING
+            assert seq.block_table == [] and seq.per_req_cache_group == -1 and seq.num_cached_tokens == 0
+        groups = {s.per_req_cache_group for s in sched.running if s.has_per_req_cache}
+        assert bm.per_req_cache_used_groups == groups
+        assert len(bm.per_req_cache_free_groups) + len(groups) == bm.num_per_req_cache_groups
+        assert len(sched.running) <= sched.max_num_seqs
+
+    def check_whole(self) -> None:
+        bm = self.sched.block_manager
+        assert sorted(bm.free_block_ids) == list(range(len(bm.blocks)))
+        assert bm.used_block_ids == set()
+        assert all(b.ref_count == 0 for b in bm.blocks)
+        assert sorted(bm.per_req_cache_free_groups) == list(range(bm.num_per_req_cache_groups))
+        for seq in self.all:
+            assert seq.is_finished and seq.leave_reason
+            assert seq.block_table == [] and seq.per_req_cache_group == -1
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=configs, shared=prefixes, ops=operations)
+def test_random_workloads_keep_the_pool_whole(cfg, shared, ops):
+    h = Harness(cfg)
+    for roll, seed, which, suffix, max_tokens, ignore_eos, per_req in ops:
+        if roll < 20:
+            h.arrive(shared[which] + suffix, max_tokens, ignore_eos, per_req)
+        elif roll < 97:
+            h.step(seed)
+        else:
+            h.abort(seed)
+        h.check_pool()
+    # Run everything to completion: every request ends, by a stop condition or as
+    # unschedulable, within a bounded number of steps.
+    drain = random.Random(len(ops))
+    for _ in range(5000):
+        if not h.step(drain.getrandbits(32)):
+            break
+    assert not h.sched.has_unfinished_requests()
+    h.check_whole()
+
+
+def test_heavy_preemption_with_shared_prefixes():
+    """A pool far too small for the load: requests are preempted over and over."""
+    preemptions = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        cfg = {
+            "block_size": 16, "num_blocks": 8, "enable_prefix_caching": seed % 2 == 0, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256, "groups": 0, "k": seed % 3, "max_model_len": None,
+        }
+        h = Harness(cfg)
+        base = [rng.randint(1, 29) for _ in range(40)]
+        for _ in range(10):
+            prompt = base[: rng.randint(0, 40)] + [rng.randint(1, 29) for _ in range(rng.randint(1, 12))]
+            h.arrive(prompt, rng.randint(20, 60), True, False)
+        original_preempt = h.sched.preempt
+
+        def counting(seq, _orig=original_preempt):
+            nonlocal preemptions
+            preemptions += 1
+            _orig(seq)
+
+        h.sched.preempt = counting
+        for _ in range(3000):
+            if not h.step(rng.getrandbits(32)):
+                break
+        h.check_whole()
+        assert {s.leave_reason for s in h.all} <= {"max_tokens", "abort"}
+    assert preemptions > 50
