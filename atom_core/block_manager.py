@@ -180,28 +180,34 @@ class BlockManager:
 
     # -- decode growth -------------------------------------------------------------
 
-    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        # This step writes KV for positions [len(seq) - 1, len(seq) - 1 + num_new_tokens).
-        needed = (seq.num_tokens + num_new_tokens - 1 + self.block_size - 1) // self.block_size
-        return max(0, needed - len(seq.block_table))
-
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
+        # This step writes KV for positions [len(seq) - 1, len(seq) - 1 + num_new_tokens).
+        missing = (len(seq) + num_new_tokens - 2) // self.block_size + 1 - len(seq.block_table)
+        return len(self.free_block_ids) >= missing
 
     def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        missing = self._num_missing_blocks(seq, num_new_tokens)
-        if missing > len(self.free_block_ids):
+        if not self.try_append(seq, num_new_tokens):
             raise RuntimeError(f"not enough free KV blocks to extend sequence {seq.id}; call can_append first")
-        for _ in range(missing):
-            seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            self._hash_full_blocks(seq)
-        self._version += 1
 
-    def _hash_full_blocks(self, seq: Sequence) -> None:
+    def try_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """`may_append` if `can_append`, in one pass: the scheduler's hot path."""
+        num_tokens, table = len(seq), seq.block_table
+        missing = (num_tokens + num_new_tokens - 2) // self.block_size + 1 - len(table)
+        if missing > 0:
+            if missing > len(self.free_block_ids):
+                return False
+            for _ in range(missing):
+                table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            num_full = num_tokens // self.block_size
+            if num_full and self.blocks[table[num_full - 1]].hash == -1:
+                self._hash_full_blocks(seq, num_full)
+        self._version += 1
+        return True
+
+    def _hash_full_blocks(self, seq: Sequence, num_full: int) -> None:
         """Publish every block that decoding has filled, chaining from the last hashed one."""
         table = seq.block_table
-        num_full = seq.num_tokens // self.block_size
         first = num_full
         while first > 0 and self.blocks[table[first - 1]].hash == -1:
             first -= 1

@@ -44,23 +44,27 @@ class ScheduledBatch:
         self.req_ids = list(seqs.keys())
         self.num_scheduled_tokens = list(num_scheduled_tokens)
         self.num_cached_tokens = [s.num_cached_tokens for s in values]
-        self.context_lens = [s.num_tokens for s in values]
-        self.block_tables = [list(s.block_table) for s in values if s.block_table]
+        self.context_lens = [len(s) for s in values]
+        # The sequences' own tables, as ATOM passes them: valid until the next schedule().
+        self.block_tables = [s.block_table for s in values if s.block_table]
         self.last_block_num_tokens = [s.last_block_num_tokens for s in values]
         self.temperatures = [s.temperature for s in values]
         self.top_ks = [s.top_k for s in values]
         self.top_ps = [s.top_p for s in values]
         self.per_req_cache_groups = [s.per_req_cache_group for s in values if s.has_per_req_cache]
-        self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
+        spec = self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
         # The tokens whose KV this step writes, flattened in batch order: the uncached
         # prompt tail for a prefill, the last token plus its drafts for a decode.
-        tokens: list[int] = []
-        for s, n in zip(values, self.num_scheduled_tokens):
-            drafts = self.scheduled_spec_decode_tokens.get(s.id, ())
-            start = s.num_tokens - (n - len(drafts))
-            tokens.extend(s.token_ids[start : s.num_tokens])
-            tokens.extend(drafts)
-        self.scheduled_tokens = tokens
+        if not spec and len(values) == len(self.num_scheduled_tokens) == total_tokens_num:
+            self.scheduled_tokens = [s.last_token for s in values]  # plain decode
+        else:
+            tokens: list[int] = []
+            for s, n in zip(values, self.num_scheduled_tokens):
+                drafts = spec.get(s.id, ())
+                end = len(s)
+                tokens.extend(s.token_ids[end - (n - len(drafts)) : end])
+                tokens.extend(drafts)
+            self.scheduled_tokens = tokens
         self.total_tokens_num = total_tokens_num
         self.total_tokens_num_prefill = total_tokens_num_prefill
         self.total_tokens_num_decode = total_tokens_num_decode
@@ -234,34 +238,35 @@ class Scheduler:
 
     def _schedule_decode(self) -> tuple[ScheduledBatch, dict[int, Sequence]] | None:
         bm = self.block_manager
+        running = self.running
         num_new = self.mtp_k + 1
-        scheduled: list[Sequence] = []
+        max_seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        seqs: dict[int, Sequence] = {}
         num_tokens: list[int] = []
         spec_tokens: dict[int, list[int]] = {}
         num_batched = 0
-        while self.running and len(scheduled) < self.max_num_seqs:
-            if scheduled and num_batched + num_new > self.max_num_batched_tokens:
+        while running and len(seqs) < max_seqs:
+            if seqs and num_batched + num_new > budget:
                 break
-            seq = self.running.popleft()
-            while not bm.can_append(seq, num_new):
-                if self.running:
-                    self.preempt(self.running.pop())
+            seq = running.popleft()
+            while not bm.try_append(seq, num_new):
+                if running:
+                    self.preempt(running.pop())
                 else:
                     self.preempt(seq)
                     break
             else:
-                bm.may_append(seq, num_new)
                 seq.type = SequenceType.DECODE
+                n = 1
                 if seq.spec_token_ids:
                     spec_tokens[seq.id] = list(seq.spec_token_ids)
-                n = 1 + len(seq.spec_token_ids)
-                scheduled.append(seq)
+                    n += len(seq.spec_token_ids)
+                seqs[seq.id] = seq
                 num_tokens.append(n)
                 num_batched += n
-        self.running.extendleft(reversed(scheduled))
-        if not scheduled:
+        running.extendleft(reversed(seqs.values()))
+        if not seqs:
             return None
-        seqs = {seq.id: seq for seq in scheduled}
         batch = ScheduledBatch(
             seqs,
             num_tokens,
@@ -319,9 +324,12 @@ class Scheduler:
                 seq.spec_token_ids = []
                 self.block_manager.deallocate(seq)
                 finished.append(seq)
-            out = self._emit(seq, reason)
-            if out is not None and stream_output_queue is not None:
-                outputs.append(out)
+            if stream_output_queue is not None or seq.stream_callback is not None:
+                out = self._emit(seq, reason)
+                if stream_output_queue is not None:
+                    outputs.append(out)
+            else:
+                seq.output_tokens.clear()
         if finished:
             self.running = deque(s for s in self.running if s.status == SequenceStatus.RUNNING)
         if outputs:
@@ -330,9 +338,11 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         """The seed's order: stop sequences, EOS, stop token ids, max_tokens (then the context limit)."""
+        num_tokens = len(seq)
+        num_completion = num_tokens - seq.num_prompt_tokens
         for stop in seq.stop_token_sequences:
             n = len(stop)
-            if n <= seq.num_completion_tokens and seq.token_ids[-n:] == stop:
+            if n <= num_completion and seq.token_ids[-n:] == stop:
                 return "stop_sequence"
         if not seq.ignore_eos:
             # The model's own stop ids (generation config) count as EOS, as in vLLM.
@@ -340,13 +350,13 @@ class Scheduler:
                 return "eos"
             if token_id in self.stop_token_ids:
                 return f"stop_{token_id}"
-        if seq.num_completion_tokens >= seq.max_tokens:
+        if num_completion >= seq.max_tokens:
             return "max_tokens"
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and num_tokens >= self.max_model_len:
             return "max_model_len"
         return None
 
-    def _emit(self, seq: Sequence, reason: str | None) -> RequestOutput | None:
+    def _emit(self, seq: Sequence, reason: str | None) -> RequestOutput:
         """Hand new tokens to the request's callback; return the stream item."""
         out = RequestOutput(
             request_id=seq.id,
