@@ -165,11 +165,10 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                # To the back of the free list, tail blocks first: the prefix blocks that
+                # other requests are likeliest to share are the last to be recycled.
                 self.used_block_ids.remove(block_id)
-                if block.hash == -1:
-                    self.free_block_ids.appendleft(block_id)  # nothing to reuse: recycle first
-                else:
-                    self.free_block_ids.append(block_id)  # keep cached content longest
+                self.free_block_ids.append(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
         if seq.per_req_cache_group != -1:

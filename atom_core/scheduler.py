@@ -99,7 +99,8 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.bos_token_id = config.bos_token_id
         self.eos_token_id = config.eos_token_id
-        self.stop_token_ids = set(config.stop_token_ids)
+        self.stop_token_ids = list(config.stop_token_ids)
+        self._stop_token_set = frozenset(self.stop_token_ids)
         self.block_size = config.kv_cache_block_size
         self.block_manager = BlockManager(config)
         self.waiting: deque[Sequence] = deque()
@@ -151,6 +152,9 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def is_finished(self) -> bool:
+        return not (self.waiting or self.running)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -348,7 +352,7 @@ class Scheduler:
             # The model's own stop ids (generation config) count as EOS, as in vLLM.
             if token_id == self.eos_token_id:
                 return "eos"
-            if token_id in self.stop_token_ids:
+            if token_id in self._stop_token_set:
                 return f"stop_{token_id}"
         if num_completion >= seq.max_tokens:
             return "max_tokens"

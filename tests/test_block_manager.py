@@ -66,7 +66,8 @@ def test_allocate_without_prefix_caching():
     assert bm.hash_to_block_id == {}
     assert all(bm.blocks[i].hash == -1 and bm.blocks[i].ref_count == 1 for i in (0, 1, 2))
     bm.deallocate(s)
-    assert s.block_table == [] and len(bm.free_block_ids) == 8 and bm.used_block_ids == set()
+    assert s.block_table == [] and bm.used_block_ids == set()
+    assert list(bm.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]
 
 
 def test_only_full_blocks_are_hashed():
@@ -169,16 +170,16 @@ def test_freed_block_is_revived_by_a_later_hit():
     a = make_seq(40)
     bm.allocate(a)
     bm.deallocate(a)
-    # Freed in reverse order; unhashed block 2 goes to the front to be reused first.
-    assert list(bm.free_block_ids) == [2, 3, 1, 0]
+    # Freed in reverse order, to the back of the free list.
+    assert list(bm.free_block_ids) == [3, 2, 1, 0]
     assert bm.blocks[0].ref_count == 0 and bm.blocks[0].hash != -1
     b = make_seq(list(range(32)) + [77])
     assert bm.can_allocate(b)
     bm.allocate(b)
     assert b.num_cached_tokens == 32
-    assert b.block_table == [0, 1, 2]
+    assert b.block_table == [0, 1, 3]  # 0 and 1 revived, the miss takes the free list's head
     assert bm.blocks[0].ref_count == 1 and bm.blocks[1].ref_count == 1
-    assert list(bm.free_block_ids) == [3]
+    assert list(bm.free_block_ids) == [2]
     assert_pool_consistent(bm, [b])
 
 

@@ -401,3 +401,27 @@ def test_speculative_decode_reserves_slots_and_counts_acceptance():
     finished = sched.postprocess(list(seqs.values()), ScheduledBatchOutput({a.id: (3, 104)}, {a.id: [105]}))
     assert finished == [a] and a.leave_reason == "eos" and a.completion_token_ids == [100, 101, 102, 3]
     assert a.spec_token_ids == []
+
+
+def test_what_schedule_returns_for_each_queue_state():
+    sched = make_scheduler(num_kvcache_blocks=4)
+    assert sched.schedule() is None and sched.is_finished()  # neither queue
+    a = make_seq(20, max_tokens=50)
+    sched.add(a)
+    assert sched.has_unfinished_requests() and sched.get_num_unfinished_requests() == 1
+    batch, seqs = sched.schedule()  # waiting only: prefill
+    assert batch.is_prefill and list(seqs) == [a.id]
+    sched.postprocess(seqs, ScheduledBatchOutput({a.id: (1,)}))
+    batch, seqs = sched.schedule()  # running only: decode
+    assert not batch.is_prefill and list(seqs) == [a.id]
+    sched.postprocess(seqs, ScheduledBatchOutput({a.id: (1,)}))
+    b = make_seq(8, start=100)
+    sched.add(b)
+    batch, seqs = sched.schedule()  # both, and the head fits: prefill only
+    assert batch.is_prefill and list(seqs) == [b.id]
+    sched.postprocess(seqs, ScheduledBatchOutput({b.id: (1,)}))
+    c = make_seq(40, start=200)  # 3 blocks, 1 free
+    sched.add(c)
+    batch, seqs = sched.schedule()  # both, and the head does not fit: decode
+    assert not batch.is_prefill and list(seqs) == [a.id, b.id]
+    assert sched.get_num_unfinished_requests() == 3
