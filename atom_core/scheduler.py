@@ -114,6 +114,7 @@ class Scheduler:
         self.total_draft_tokens = 0
         self.total_accepted_tokens = 0
         self._finished_outside_step: list[Sequence] = []
+        self._queued: dict[int, Sequence] = {}  # every waiting or running request, by id
 
     # -- queue management ----------------------------------------------------------
 
@@ -126,24 +127,26 @@ class Scheduler:
             )
         if seq.status != SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.id} is {seq.status.name}, only a new WAITING sequence can be added")
+        if seq.id in self._queued:
+            raise ValueError(f"a request with id {seq.id} is already queued")
         if not seq.arrive_time:
             seq.arrive_time = time.perf_counter()
         reason = self._unschedulable_reason(seq)
         if reason is not None:
             self._finish_outside_step(seq, reason)
             return
+        self._queued[seq.id] = seq
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Remove a waiting or running request and free its blocks; None if unknown."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.id == seq_id:
-                    queue.remove(seq)
-                    self.block_manager.deallocate(seq)
-                    self._finish_outside_step(seq, "abort")
-                    return seq
-        return None
+        seq = self._queued.get(seq_id)
+        if seq is None:
+            return None
+        (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
+        self.block_manager.deallocate(seq)
+        self._finish_outside_step(seq, "abort")
+        return seq
 
     def pop_finished(self) -> list[Sequence]:
         """Requests that ended outside `postprocess` (rejected, unschedulable, aborted) since the last call."""
@@ -327,6 +330,7 @@ class Scheduler:
                 seq.leave_reason = reason
                 seq.spec_token_ids = []
                 self.block_manager.deallocate(seq)
+                del self._queued[seq.id]
                 finished.append(seq)
             if stream_output_queue is not None or seq.stream_callback is not None:
                 out = self._emit(seq, reason)
@@ -377,6 +381,7 @@ class Scheduler:
         return out
 
     def _finish_outside_step(self, seq: Sequence, reason: str) -> None:
+        self._queued.pop(seq.id, None)
         seq.status = SequenceStatus.FINISHED
         seq.leave_time = time.perf_counter()
         seq.leave_reason = reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import Enum, auto
 from itertools import count
+from numbers import Integral
 from typing import Any
 
 from atom_core.sampling_params import SamplingParams
@@ -26,6 +27,13 @@ class SequenceType(Enum):
 _DEFAULT_PARAMS = SamplingParams()
 
 
+def _token_id(i: int, t: Any) -> int:
+    """Accept numpy and other integral types; refuse anything that is not a token id."""
+    if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+        raise ValueError(f"token_ids[{i}] must be a token id (an integer >= 0), got {t!r}")
+    return int(t)
+
+
 class Sequence:
     counter = count()
 
@@ -39,15 +47,18 @@ class Sequence:
         id: int | None = None,
         has_per_req_cache: bool = False,
     ):
-        if len(token_ids) == 0:
+        token_ids = list(token_ids)
+        if not token_ids:
             raise ValueError("token_ids must hold at least one token, got an empty prompt")
+        if not all(type(t) is int and t >= 0 for t in token_ids):
+            token_ids = [_token_id(i, t) for i, t in enumerate(token_ids)]
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.id = id if id is not None else next(Sequence.counter)
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.type = SequenceType.DUMMY
-        self.token_ids = list(token_ids)
+        self.token_ids = token_ids
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)

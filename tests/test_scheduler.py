@@ -425,3 +425,14 @@ def test_what_schedule_returns_for_each_queue_state():
     batch, seqs = sched.schedule()  # both, and the head does not fit: decode
     assert not batch.is_prefill and list(seqs) == [a.id, b.id]
     assert sched.get_num_unfinished_requests() == 3
+
+
+def test_adding_the_same_request_twice_is_an_error():
+    sched = make_scheduler()
+    a = make_seq(3)
+    sched.add(a)
+    with pytest.raises(ValueError, match=f"a request with id {a.id} is already queued"):
+        sched.add(Sequence([1], 16, id=a.id))
+    step(sched)
+    with pytest.raises(ValueError, match="only a new WAITING sequence"):
+        sched.add(a)

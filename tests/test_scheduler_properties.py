@@ -185,6 +185,7 @@ class Harness:
         assert bm.per_req_cache_used_groups == groups
         assert len(bm.per_req_cache_free_groups) + len(groups) == bm.num_per_req_cache_groups
         assert len(sched.running) <= sched.max_num_seqs
+        assert set(sched._queued) == {s.id for s in sched.waiting} | {s.id for s in sched.running}
 
     def check_whole(self) -> None:
         bm = self.sched.block_manager

@@ -74,3 +74,13 @@ def test_is_finished_and_cached_blocks():
     assert not s.is_finished
     s.status = SequenceStatus.FINISHED
     assert s.is_finished
+
+
+def test_token_ids_must_be_token_ids():
+    import numpy as np
+
+    assert Sequence(np.array([3, 4], dtype=np.int32), 16).token_ids == [3, 4]
+    assert all(type(t) is int for t in Sequence(np.array([3, 4]), 16).token_ids)
+    for bad, shown in ((["a"], "'a'"), ([1, -5], "-5"), ([1.5], "1.5"), ([True], "True")):
+        with pytest.raises(ValueError, match=rf"token_ids\[\d\] must be a token id \(an integer >= 0\), got {shown}"):
+            Sequence(bad, 16)
