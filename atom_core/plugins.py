@@ -8,15 +8,12 @@ Tests add an in-process plugin with `get_plugin_manager().register(obj)`.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import warnings
 
 import pluggy
 
 from atom_core import hookspecs
 from atom_core.registry import Registry, _PluginRegistry
-
-logger = logging.getLogger("atom")
 
 ENTRY_POINT_GROUP = "atom"
 
@@ -59,6 +56,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         try:
             plugin = ep.load()
+            if pm.is_registered(plugin):  # the same module published twice
+                continue
             pm.register(plugin, name=name)
         except Exception as e:  # one broken package must not take the others down
             failed_plugins[name] = f"{ep.value} from {dist}: {type(e).__name__}: {e}"
