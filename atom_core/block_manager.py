@@ -179,10 +179,12 @@ class BlockManager:
 
     # -- decode growth -------------------------------------------------------------
 
-    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         # This step writes KV for positions [len(seq) - 1, len(seq) - 1 + num_new_tokens).
-        missing = (len(seq) + num_new_tokens - 2) // self.block_size + 1 - len(seq.block_table)
-        return len(self.free_block_ids) >= missing
+        return (len(seq) + num_new_tokens - 2) // self.block_size + 1 - len(seq.block_table)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
 
     def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
         if not self.try_append(seq, num_new_tokens):
@@ -190,15 +192,15 @@ class BlockManager:
 
     def try_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """`may_append` if `can_append`, in one pass: the scheduler's hot path."""
-        num_tokens, table = len(seq), seq.block_table
-        missing = (num_tokens + num_new_tokens - 2) // self.block_size + 1 - len(table)
+        table = seq.block_table
+        missing = self._num_missing_blocks(seq, num_new_tokens)
         if missing > 0:
             if missing > len(self.free_block_ids):
                 return False
             for _ in range(missing):
                 table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            num_full = num_tokens // self.block_size
+            num_full = len(seq) // self.block_size
             if num_full and self.blocks[table[num_full - 1]].hash == -1:
                 self._hash_full_blocks(seq, num_full)
         self._version += 1

@@ -157,7 +157,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def is_finished(self) -> bool:
-        return not (self.waiting or self.running)
+        return not self.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
