@@ -28,6 +28,14 @@ def _token_id_list(value: object) -> list[int]:
     return ids
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _dtype(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if value not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class SpeculativeConfig:
     """Draft-and-verify decoding: each decode step checks `num_speculative_tokens` drafts."""
@@ -63,6 +71,16 @@ class Config:
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
     # How many KV blocks one group's bytes are worth, for sizing the pool.
     per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
+    # -- model execution (read by the model runner and the engine) --
+    # "auto" takes the checkpoint's dtype; "float32", "bfloat16" or "float16" force one.
+    dtype: str = attrs.field(default="auto", validator=_dtype)
+    device: str = "cpu"
+    # Bytes for the KV pool; None = a quarter of free RAM on CPU, or
+    # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.
+    kv_cache_memory: int | None = attrs.field(default=None, validator=positive)
+    sampler: str = "default"
+    # Seed for requests that bring none of their own.
+    seed: int = attrs.field(default=0, validator=non_negative_int)
 
     @property
     def num_speculative_tokens(self) -> int:

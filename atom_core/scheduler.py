@@ -138,14 +138,17 @@ class Scheduler:
         self._queued[seq.id] = seq
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Remove a waiting or running request and free its blocks; None if unknown."""
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+        """Remove a waiting or running request and free its blocks; None if unknown.
+
+        The engine also ends requests this way for reasons only it can see (a stop string).
+        """
         seq = self._queued.get(seq_id)
         if seq is None:
             return None
         (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
         self.block_manager.deallocate(seq)
-        self._finish_outside_step(seq, "abort")
+        self._finish_outside_step(seq, reason)
         return seq
 
     def pop_finished(self) -> list[Sequence]:

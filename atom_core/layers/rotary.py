@@ -1,0 +1,81 @@
+"""Rotary position embedding (rotate-half), with the rope variants HF configs describe."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """One dict whatever the config's age: transformers 5 `rope_parameters`, or older
+    top-level `rope_theta` + `rope_scaling`."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _linear_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    return inv_freq / p["factor"]
+
+
+# rope_type -> how it rescales the default inverse frequencies
+INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_position`, looked up per token."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if inv_freq_scaler is not None:
+            inv_freq = inv_freq_scaler(inv_freq, params)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, shaped to broadcast over heads; computed once per step."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+    p = rope_parameters(hf_config)
+    kind = p["rope_type"]
+    if kind not in INV_FREQ_SCALERS:
+        raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(INV_FREQ_SCALERS)}")
+    return RotaryEmbedding(head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p)

@@ -1,0 +1,289 @@
+"""The user-facing engine: prompts in, text out, with continuous batching underneath.
+
+`generate` and `chat` run everything to completion; `add_request` / `step` / `abort`
+are the incremental interface a server builds on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from atom_core.config import Config
+from atom_core.request import RequestOutput
+from atom_core.sampling_params import SamplingParams
+from atom_core.scheduler import Scheduler
+from atom_core.sequence import Sequence
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_CONFIG_FIELDS = {f.name for f in attrs.fields(Config)}
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A folder with config.json: the given one, a .gguf file converted once, or the default model."""
+    if model is None:
+        from atom_core.fetch import fetch_default_model
+
+        return fetch_default_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from atom_core.fetch import default_cache_dir
+        from atom_core.gguf_loader import gguf_to_hf_folder
+
+        stat = path.stat()
+        out = default_cache_dir() / "models" / f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
+        return out if (out / "config.json").exists() else gguf_to_hf_folder(path, out)
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
+        "(Atom does not download from a model hub; `atom fetch` installs the default model)"
+    )
+
+
+@attrs.define
+class _Request:
+    seq: Sequence
+    prompt: Any
+    num_cached_tokens: int | None = None
+
+
+class LLMEngine:
+    """`LLMEngine(model=None, **config)`: keywords are `Config` fields (dtype, device, ...)."""
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any):
+        unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(
+                f"unknown LLMEngine option(s) {', '.join(map(repr, unknown))}; "
+                f"options are Config fields: {', '.join(sorted(_CONFIG_FIELDS - {'model'}))}"
+            )
+        from transformers import AutoConfig
+
+        folder = resolve_model(model)
+        hf_config = AutoConfig.from_pretrained(folder)
+        config = Config(model=str(folder), **kwargs)
+        config = attrs.evolve(config, **self._model_defaults(config, hf_config, folder))
+        self.tokenizer = self._load_tokenizer(folder)
+        from atom_core.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config, hf_config)
+        self.config = attrs.evolve(config, num_kvcache_blocks=self.runner.num_kvcache_blocks)
+        self.hf_config = hf_config
+        self.vocab_size: int = hf_config.vocab_size
+        self.scheduler = Scheduler(self.config)
+        self._requests: dict[int, _Request] = {}
+        self.timings = self.runner.timings  # seconds per phase, summed over steps
+
+    @staticmethod
+    def _model_defaults(config: Config, hf_config: Any, folder: Path) -> dict[str, Any]:
+        """max_model_len and stop ids from the checkpoint, where the user set none."""
+        out: dict[str, Any] = {}
+        max_pos = getattr(hf_config, "max_position_embeddings", None)
+        if config.max_model_len is None:
+            out["max_model_len"] = max_pos or 4096
+        elif max_pos is not None and config.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}"
+            )
+        gen_path = folder / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        eos = gen.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if config.eos_token_id is None and eos_ids:
+            out["eos_token_id"] = eos_ids[0]
+        if not config.stop_token_ids and len(eos_ids) > 1:
+            out["stop_token_ids"] = eos_ids[1:]
+        bos = gen.get("bos_token_id", getattr(hf_config, "bos_token_id", None))
+        if config.bos_token_id is None and isinstance(bos, int):
+            out["bos_token_id"] = bos
+        return out
+
+    @staticmethod
+    def _load_tokenizer(folder: Path):
+        if not any((folder / name).exists() for name in _TOKENIZER_FILES):
+            return None  # token-id prompts still work
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        """Tokenize and validate one prompt; every error names the problem."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer files; pass prompts as token-id lists")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, SequenceABC):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}"
+            )
+        return [int(t) for t in ids]
+
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer, and this model folder has none")
+        return params
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        stream_callback: Callable[[RequestOutput], None] | None = None,
+    ) -> int:
+        """Queue one prompt; returns its request id. Errors leave nothing queued."""
+        params = self._check_params(sampling_params or SamplingParams())
+        return self._add(self._token_ids(prompt), prompt, params, stream_callback)
+
+    def _add(self, ids: list[int], prompt: Any, params: SamplingParams, callback=None) -> int:
+        seq = Sequence(ids, self.config.kv_cache_block_size, params, stream_callback=callback)
+        self._requests[seq.id] = _Request(seq, prompt)
+        self.scheduler.add(seq)
+        return seq.id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request and free its blocks; False if it is not queued or running."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[dict[str, Any]]:
+        """Run one scheduled batch; returns the results of requests that finished."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        self.timings["schedule"] += time.perf_counter() - t0
+        if scheduled is not None:
+            batch, seqs = scheduled
+            output = self.runner.forward(batch, seqs)
+            t1 = time.perf_counter()
+            if batch.is_prefill:
+                for rid in batch.req_ids:
+                    req = self._requests[rid]
+                    if req.num_cached_tokens is None:
+                        req.num_cached_tokens = seqs[rid].num_cached_tokens
+            self.scheduler.postprocess(seqs, output)
+            for seq in seqs.values():
+                if seq.stop_strings and not seq.is_finished and self._hit_stop_string(seq):
+                    self.scheduler.abort(seq.id, reason="stop")
+            self.timings["postprocess"] += time.perf_counter() - t1
+            self.timings["steps"] += 1
+        return self._collect(scheduled[1].values() if scheduled else ())
+
+    def _collect(self, seqs) -> list[dict[str, Any]]:
+        done = [s for s in seqs if s.is_finished] + self.scheduler.pop_finished()
+        results, seen = [], set()
+        for seq in done:
+            if seq.id not in seen and seq.id in self._requests:
+                seen.add(seq.id)
+                results.append(self._result(self._requests.pop(seq.id)))
+        return results
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # A stop string of n characters spans at most n tokens: decode only the tail.
+        window = max(len(s) for s in seq.stop_strings) + 4
+        tail = self.tokenizer.decode(seq.completion_token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in seq.stop_strings)
+
+    def _result(self, req: _Request) -> dict[str, Any]:
+        seq = req.seq
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+            if seq.leave_reason == "stop":
+                cut = min((i for i in (text.find(s) for s in seq.stop_strings) if i >= 0), default=len(text))
+                text = text[:cut]
+        n = seq.num_completion_tokens
+        ttft = seq.first_token_time - seq.arrive_time if seq.first_token_time else None
+        tpot = (seq.leave_time - seq.first_token_time) / (n - 1) if seq.first_token_time and n > 1 else None
+        return {
+            "request_id": seq.id,
+            "prompt": req.prompt if isinstance(req.prompt, str) else None,
+            "text": text,
+            "token_ids": list(seq.completion_token_ids),
+            "finish_reason": seq.leave_reason,
+            "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_cached_tokens": req.num_cached_tokens or 0,
+            "ttft": ttft,
+            "tpot": tpot,
+        }
+
+    # -- run to completion -------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """One result per prompt, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one, or one per prompt"
+                )
+            params = [self._check_params(p) for p in sampling_params]
+        else:
+            params = [self._check_params(sampling_params or SamplingParams())] * len(prompts)
+        token_ids = [self._token_ids(p) for p in prompts]  # every prompt checked before any is queued
+        ids = [self._add(t, p, sp) for t, p, sp in zip(token_ids, prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[int], use_tqdm: bool) -> list[dict[str, Any]]:
+        from tqdm.auto import tqdm
+
+        wanted, results = set(ids), {}
+        start, num_tokens = time.perf_counter(), 0
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            try:
+                while wanted - results.keys():
+                    for r in self.step():
+                        if r["request_id"] in wanted:
+                            results[r["request_id"]] = r
+                            num_tokens += len(r["token_ids"])
+                            bar.update(1)
+                            bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
+            except BaseException:
+                for rid in wanted - results.keys():  # leave nothing of ours in flight
+                    self.abort(rid)
+                    self._requests.pop(rid, None)
+                raise
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.config.model} has no chat template; use generate() with plain prompts")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,80 @@
+"""Checkpoint tensors -> model parameters, driven by the model's `packed_modules_mapping`.
+
+Adding a model never touches this file: a model names which checkpoint tensors fill
+which fused parameter, and fused parameters carry a `weight_loader`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Buffers some checkpoints carry that models recompute.
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {folder}; Atom loads safetensors checkpoints "
+            "(or a .gguf file passed as the model)"
+        )
+    return files
+
+
+def load_model_weights(model: nn.Module, folder: str | Path) -> None:
+    """Copy every checkpoint tensor into its parameter; missing or extra tensors are errors."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    skipped = tuple(getattr(model, "skipped_checkpoint_suffixes", ())) + SKIPPED_SUFFIXES
+    loaded: dict[int, set] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(skipped):
+                    continue
+                target, shard = _target(name, mapping)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} ({path.name}) matches no parameter of {type(model).__name__}"
+                    )
+                tensor = f.get_tensor(name)
+                if shard is None:
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"parameter {target!r} expects {tuple(param.shape)}"
+                        )
+                    with torch.no_grad():
+                        param.data.copy_(tensor)
+                else:
+                    param.weight_loader(param, tensor, shard)
+                loaded.setdefault(id(param), set()).add(shard)
+    missing = []
+    for name, param in model.named_parameters():  # shared (tied) parameters appear once
+        shards = loaded.get(id(param), set())
+        owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
+        expected = set(owner.shard_offsets) if owner is not None else {None}
+        if not expected <= shards:
+            missing.append(name if owner is None else f"{name} (shards {sorted(expected - shards)})")
+    if missing:
+        raise ValueError(f"the checkpoint in {folder} lacks tensors for: {', '.join(missing)}")
+
+
+def _target(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    for ckpt, (fused, shard) in mapping.items():
+        key = f".{ckpt}."
+        if key in name:
+            return name.replace(key, f".{fused}."), shard
+    return name, None

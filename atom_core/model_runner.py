@@ -1,0 +1,172 @@
+"""Loads a model plugin, sizes and binds the KV pool through the attention builders, runs steps.
+
+Blind to model and attention type: the "models" registry maps the checkpoint's
+architecture to a class, each attention layer's `attn_type` picks a builder from the
+"attention_builders" registry, and the builders own every byte of the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from atom_core.attention import AttentionMetadataBuilder
+from atom_core.config import Config
+from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
+from atom_core.loader import load_model_weights
+from atom_core.plugins import get_registry
+from atom_core.sampler import SamplingMetadata
+from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
+from atom_core.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Share of free host memory the KV pool takes when neither kv_cache_memory nor
+# num_kvcache_blocks is set (vLLM's CPU backend also reserves a fixed slice).
+CPU_KV_CACHE_FRACTION = 0.25
+
+
+def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(found, torch.dtype):
+        return found if found in _DTYPES.values() else torch.float32
+    return _DTYPES.get(str(found).removeprefix("torch."), torch.float32)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
+
+
+class ModelRunner:
+    def __init__(self, config: Config, hf_config: Any, pm=None):
+        self.config = config
+        self.hf_config = hf_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.block_size = config.kv_cache_block_size
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")
+        model_cls = get_registry("models", pm).get(archs[0])
+        self.model = self._build_model(model_cls)
+        self.attn_layers = [m for m in self.model.modules() if getattr(m, "attn_type", None)]
+        if not self.attn_layers:
+            raise ValueError(f"{archs[0]} has no attention layers (modules with an `attn_type`)")
+        by_type: dict[str, list[torch.nn.Module]] = {}
+        for m in self.attn_layers:
+            by_type.setdefault(m.attn_type, []).append(m)
+        builders = get_registry("attention_builders", pm)
+        self.attn_builders: dict[str, AttentionMetadataBuilder] = {
+            t: builders.get(t)(self, layers) for t, layers in by_type.items()
+        }
+        self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
+        self.num_kvcache_blocks = self._size_kv_pool()
+        self.kv_cache_tensors: dict[str, torch.Tensor] = {}
+        self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
+        self._allocate_kv_cache()
+        self.timings: dict[str, float] = defaultdict(float)
+
+    def _build_model(self, model_cls: type) -> torch.nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.hf_config, self.config)
+        finally:
+            torch.set_default_dtype(previous)
+        load_model_weights(model, self.config.model)
+        return model.eval()
+
+    # -- KV pool -------------------------------------------------------------------------
+
+    def _size_kv_pool(self) -> int:
+        cfg, bs = self.config, self.block_size
+        block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
+        per_request = -(-cfg.max_model_len // bs) + cfg.num_speculative_tokens  # blocks for one full request
+        if cfg.num_kvcache_blocks is not None:
+            num_blocks = cfg.num_kvcache_blocks
+            source = f"num_kvcache_blocks={num_blocks}"
+        else:
+            if cfg.kv_cache_memory is not None:
+                budget, source = cfg.kv_cache_memory, f"kv_cache_memory={cfg.kv_cache_memory}"
+            elif self.device.type == "cpu":
+                budget = int(free_memory_bytes(self.device) * CPU_KV_CACHE_FRACTION)
+                source = f"{CPU_KV_CACHE_FRACTION:.0%} of free memory ({budget} bytes)"
+            else:
+                budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
+                source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
+            num_blocks = budget // max(block_bytes, 1)
+            # More than every running request at full length can never be used.
+            num_blocks = min(num_blocks, cfg.max_num_seqs * per_request)
+        if num_blocks < per_request:
+            raise ValueError(
+                f"the KV pool from {source} holds {num_blocks} blocks of {bs} tokens "
+                f"({block_bytes} bytes each), fewer than the {per_request} one request of "
+                f"max_model_len={cfg.max_model_len} tokens needs; raise kv_cache_memory or "
+                f"num_kvcache_blocks, or lower max_model_len"
+            )
+        self.block_bytes = block_bytes
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
+        for builder in self.attn_builders.values():
+            self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
+            per_req_bytes = builder.compute_per_req_cache_bytes()
+            if per_req_bytes:
+                groups = self.config.num_per_req_cache_groups or self.config.max_num_seqs
+                self.per_req_cache_tensors.update(builder.allocate_per_req_cache(groups * builder.slots_per_req()))
+        kv_cache_data = {}
+        for i, module in enumerate(self.attn_layers):
+            layer_id = getattr(module, "layer_id", i)
+            for builder in self.attn_builders.values():
+                kv = builder.build_kv_cache_tensor(layer_id, module)
+                if kv is not None:
+                    kv_cache_data[f"layer_{layer_id}"] = kv
+                    break
+            else:
+                raise RuntimeError(f"no attention builder bound a cache to layer {layer_id} ({module.attn_type})")
+        set_kv_cache_data(kv_cache_data)
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
+        """Run one scheduled batch; sample one token for each request."""
+        t0 = time.perf_counter()
+        metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
+        meta = next(iter(metas.values()))
+        input_ids = torch.tensor(batch.scheduled_tokens, dtype=torch.int64, device=self.device)
+        set_forward_context(
+            attn_metadata_by_type=metas,
+            atom_config=self.config,
+            context=Context(positions=meta.positions, is_prefill=batch.is_prefill, batch_size=meta.num_reqs),
+        )
+        t1 = time.perf_counter()
+        try:
+            hidden = self.model(input_ids, meta.positions)
+            # Only each request's last token samples; the lm_head never sees the rest.
+            last = torch.from_numpy(meta.query_start_loc_cpu[1:] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last]).float()
+        finally:
+            reset_forward_context()
+        t2 = time.perf_counter()
+        tokens = self.sampler(logits, SamplingMetadata.from_seqs(seqs.values())).tolist()
+        t3 = time.perf_counter()
+        timings = self.timings
+        timings["prepare"] += t1 - t0
+        timings["forward"] += t2 - t1
+        timings["sample"] += t3 - t2
+        self.last_logits = dict(zip(batch.req_ids, logits))  # for parity checks and debugging
+        return ScheduledBatchOutput({rid: (tok,) for rid, tok in zip(batch.req_ids, tokens)})

@@ -1,0 +1,80 @@
+"""The default sampler: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from
+`p` exactly. A seeded request draws its noise from a generator keyed by (seed, how many
+tokens it has generated), so its tokens do not depend on what else is in the batch,
+on preemption, or on the order requests arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+
+@attrs.define
+class SamplingMetadata:
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    seeds: list[int | None]
+    steps: list[int]  # tokens each request has generated so far
+
+    @classmethod
+    def from_seqs(cls, seqs) -> SamplingMetadata:
+        seqs = list(seqs)
+        return cls(
+            temperatures=[s.temperature for s in seqs],
+            top_ks=[s.top_k for s in seqs],
+            top_ps=[s.top_p for s in seqs],
+            seeds=[s.sampling_params.seed for s in seqs],
+            steps=[s.num_completion_tokens for s in seqs],
+        )
+
+
+class Sampler:
+    def __init__(self, config: Any = None):
+        seed = getattr(config, "seed", 0) or 0
+        self.device = torch.device(getattr(config, "device", "cpu") or "cpu")
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._row_generator = torch.Generator(device=self.device)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """logits: [num_reqs, vocab] float32 -> one token id per request."""
+        greedy_tokens = logits.argmax(dim=-1)
+        greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
+        if all(greedy):
+            return greedy_tokens
+        dev, vocab = logits.device, logits.shape[-1]
+        temps = torch.tensor([t if t > 0 else 1.0 for t in meta.temperatures], device=dev, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        if any(0 < k < vocab for k in meta.top_ks):
+            ks = torch.tensor([k if 0 < k < vocab else vocab for k in meta.top_ks], device=dev)
+            top = logits.topk(int(ks.max()), dim=-1).values
+            kth = top.gather(1, (ks - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if any(p < 1.0 for p in meta.top_ps):
+            ps = torch.tensor(meta.top_ps, device=dev, dtype=probs.dtype)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+            drop = sorted_p.cumsum(dim=-1) - sorted_p >= ps[:, None]
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, seed in enumerate(meta.seeds):
+            if seed is not None and not greedy[i]:
+                self._row_generator.manual_seed(_mix(seed, meta.steps[i]))
+                noise[i].exponential_(generator=self._row_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)
+
+
+def _mix(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (request seed, token index)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    return x & (2**63 - 1)

@@ -1,0 +1,1 @@
+"""Atom's built-in model plugin: architectures registered by HF `architectures` name."""
