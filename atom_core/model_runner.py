@@ -112,7 +112,7 @@ class ModelRunner:
         if num_blocks < per_request:
             raise ValueError(
                 f"the KV pool from {source} holds {num_blocks} blocks of {bs} tokens "
-                f"({block_bytes} bytes each), fewer than the {per_request} one request of "
+                f"({block_bytes} bytes each), fewer than the {per_request} blocks one request of "
                 f"max_model_len={cfg.max_model_len} tokens needs; raise kv_cache_memory or "
                 f"num_kvcache_blocks, or lower max_model_len"
             )

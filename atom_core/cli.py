@@ -1,0 +1,101 @@
+"""The `atom` command: `atom generate`, `atom fetch`, `atom plugins`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="atom", description="Atom: a small, pluggable LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {len(DEFAULT_PROMPTS)} sample questions)")
+    gen.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+
+    fetch = sub.add_parser("fetch", help="install the default model (SmolLM2-135M-Instruct) into the cache")
+    fetch.add_argument("--cache-dir", default=None, help="default: $ATOM_CACHE_DIR or ~/.cache/atom")
+
+    sub.add_parser("plugins", help="list installed plugins and what they register")
+
+    args = parser.parse_args(argv)
+    try:
+        return {"generate": _generate, "fetch": _fetch, "plugins": _plugins}[args.command](args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"atom: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from atom_core.fetch import fetch_default_model
+
+    print(fetch_default_model(args.cache_dir))
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from atom_core.plugins import REGISTRY_HOOKS, get_registry, list_plugins
+
+    for row in list_plugins():
+        print(f"{row['name']:<12} {row['distribution'] or '(in-process)'}  hooks: {', '.join(row['hooks'])}")
+    for kind in REGISTRY_HOOKS:
+        print(f"{kind}: {', '.join(get_registry(kind).names()) or '-'}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from atom_core.llm_engine import LLMEngine
+    from atom_core.sampling_params import SamplingParams
+
+    options: dict[str, Any] = {"dtype": args.dtype}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    engine = LLMEngine(args.model, **options)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    prompts = args.prompts or list(DEFAULT_PROMPTS)
+    chat = not args.no_chat and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
+    inputs = [engine.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    if len(prompts) == 1:
+        _stream(engine, inputs[0], params)
+        return 0
+    for prompt, result in zip(prompts, engine.generate(inputs, params, use_tqdm=sys.stderr.isatty())):
+        print(f"> {prompt}\n{result['text'].strip()}\n")
+    return 0
+
+
+def _stream(engine, prompt, params) -> None:
+    """Print tokens as they arrive, decoding the whole completion so multi-token characters come out whole."""
+    tokens: list[int] = []
+    printed = 0
+
+    def on_tokens(out) -> None:
+        nonlocal printed
+        tokens.extend(out.output_tokens)
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not out.finished:
+            return  # half of a multi-byte character: wait for the rest
+        print(text[printed:], end="", flush=True)
+        printed = len(text)
+
+    engine.add_request(prompt, params, stream_callback=on_tokens)
+    while engine.has_unfinished_requests():
+        engine.step()
+    print()
