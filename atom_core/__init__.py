@@ -14,10 +14,22 @@ from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 
+
+
+def __getattr__(name: str):
+    # The engine needs torch; `import atom_core` alone must not load it.
+    if name == "LLMEngine":
+        from atom_core.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'atom_core' has no attribute {name!r}")
+
+
 __all__ = [
     "Block",
     "BlockManager",
     "Config",
+    "LLMEngine",
     "RequestOutput",
     "Registry",
     "RegistryError",
