@@ -189,3 +189,43 @@ def test_sampler_draws_from_the_distribution():
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
     cold = Sampler()(probs.log().expand(2000, 4).contiguous(), meta(2000, temperatures=[0.05] * 2000))
     assert (cold == 3).float().mean() > 0.99  # low temperature sharpens toward the argmax
+
+
+def test_sharded_checkpoint_and_generation_config_stop_ids(tiny, tmp_path):
+    import json
+
+    folder, model = tiny
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    expected = hf_greedy(model, PROMPTS[0], 12)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [expected[6], expected[3]]  # a model with two end tokens
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    engine = LLMEngine(tmp_path, num_kvcache_blocks=32, max_model_len=128)
+    assert (engine.config.eos_token_id, engine.config.stop_token_ids) == (expected[6], [expected[3]])
+    r = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    first = min(expected.index(expected[6]), expected.index(expected[3]))
+    assert r["token_ids"] == expected[: first + 1]
+
+
+def test_a_sampler_plugin_is_picked_by_name(tiny, plugin_manager):
+    from atom_core import hookimpl
+
+    class AlwaysSeven:
+        def __init__(self, config):
+            pass
+
+        def __call__(self, logits, meta):
+            return torch.full((logits.shape[0],), 7, dtype=torch.long)
+
+    class Plugin:
+        @hookimpl
+        def atom_register_samplers(self, registry):
+            registry.register("always-seven", AlwaysSeven)
+
+    plugin_manager.register(Plugin(), name="always-seven-plugin")
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128, sampler="always-seven")
+    r = engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    assert r["token_ids"] == [7] * 12
+    with pytest.raises(KeyError, match="unknown sampler 'nope'. Known samplers: always-seven, default"):
+        LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128, sampler="nope")

@@ -71,3 +71,10 @@ def test_prefix_cache_serves_the_shared_chat_prefix(prompts):
     assert first["num_cached_tokens"] == 0
     # The default system prompt is shared by every chat: whole blocks of it come from the cache.
     assert all(r["num_cached_tokens"] >= 16 for r in rest)
+
+
+def test_cli_generate_streams_the_answer(capsys):
+    from atom_core.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "256"]) == 0
+    assert "The capital of France is Paris." in capsys.readouterr().out
