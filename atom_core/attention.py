@@ -47,6 +47,8 @@ class AttentionMetadata:
     num_cached_tokens: torch.Tensor  # [num_reqs] prefix served by the cache (prefill)
     max_seqlen_q: int
     max_seqlen_k: int
+    positions_cpu: np.ndarray
+    slot_mapping_cpu: np.ndarray
     context_lens_cpu: np.ndarray
     query_start_loc_cpu: np.ndarray
     block_tables_cpu: np.ndarray
@@ -138,6 +140,8 @@ class AttentionMetadataBuilder:
             num_cached_tokens=t(np.asarray(batch.num_cached_tokens, dtype=np.int64)),
             max_seqlen_q=int(num_q.max()),
             max_seqlen_k=int(ctx.max()),
+            positions_cpu=positions,
+            slot_mapping_cpu=slot_mapping,
             context_lens_cpu=ctx,
             query_start_loc_cpu=cu_q,
             block_tables_cpu=block_tables,

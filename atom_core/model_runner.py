@@ -7,6 +7,9 @@ architecture to a class, each attention layer's `attn_type` picks a builder from
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -38,6 +41,23 @@ def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
     return _DTYPES.get(str(found).removeprefix("torch."), torch.float32)
 
 
+def keep_freed_memory_mapped() -> bool:
+    """Stop glibc from returning large freed blocks to the OS after every op.
+
+    Each decode step allocates and frees the same multi-megabyte temporaries; by default
+    glibc unmaps them and the next step page-faults them back in, which cost more than
+    the arithmetic (vLLM's CPU backend preloads tcmalloc for the same reason).
+    """
+    if sys.platform != "linux" or os.environ.get("ATOM_KEEP_MALLOC_DEFAULTS"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -55,6 +75,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         self.block_size = config.kv_cache_block_size
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")

@@ -34,13 +34,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = h.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(h))
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        n, d = h.shape[0], self.head_dim
+        qkv = self.qkv_proj(h)
+        nq, nkv = self.num_heads, self.num_kv_heads
+        v = qkv[:, (nq + nkv) * d :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+            q = apply_rotary(self.q_norm(qkv[:, : nq * d].view(n, nq, d)), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)), cos, sin)
+        else:  # q and k sit side by side in the fused output: rotate both at once
+            qk = apply_rotary(qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
         return self.o_proj(self.attn(q, k, v))
 
 

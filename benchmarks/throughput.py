@@ -14,14 +14,17 @@ What is measured, per dtype:
   peer's best case) unless `--no-hf-sort`.
 * Batch-1 decode rate. One 64-token prompt, 65 new tokens; the first token (prefill)
   is excluded: Atom reports 1/tpot, transformers is timed with a streamer between its
-  first and last token. Median of `--repeats` runs.
+  first and last token. Best of `--repeats` runs.
 * Atom's decode step split. The same 64 prompts through the incremental API; timings
   are cleared once every prompt is prefilled, so the means cover decode steps only.
+* Both engines are loaded side by side and measured alternately; with `--rounds N` each
+  throughput figure is the best of N, the least disturbed on a shared machine.
 * Sanity: how many leading greedy tokens agree between the engines for the first few
   prompts (informational; float32 should agree closely, bfloat16 drifts).
 
     .venv/bin/python benchmarks/throughput.py [--dtype float32|bfloat16|both]
-        [--num-prompts 64] [--output-len 128] [--threads 2] [--hf-batch-size 32] [--quick]
+        [--num-prompts 64] [--output-len 128] [--threads 2] [--hf-batch-size 32]
+        [--no-hf-sort] [--rounds 1] [--quick]
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -100,7 +102,7 @@ def atom_batch1_decode(eng: LLMEngine, prompt: list[int], new_tokens: int, repea
     for _ in range(repeats):
         (r,) = eng.generate([prompt], greedy(new_tokens), use_tqdm=False)
         rates.append(1.0 / r["tpot"])
-    return statistics.median(rates)
+    return max(rates)
 
 
 def atom_decode_split(eng: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
@@ -178,38 +180,42 @@ def hf_batch1_decode(model, prompt: list[int], new_tokens: int, repeats: int) ->
         hf_generate(model, [prompt], new_tokens, streamer=clock)
         tokens = clock.times[1:]  # drop the prompt's put
         rates.append((len(tokens) - 1) / (tokens[-1] - tokens[0]))
-    return statistics.median(rates)
+    return max(rates)
 
 
 # -- one dtype ----------------------------------------------------------------------------
 
 
 def run_dtype(args, folder: str, dtype: str, prompts: list[list[int]]) -> Result:
+    """Both engines loaded side by side; measurements alternate between them, best of `--rounds`."""
     res = Result(dtype)
     b1_prompt = make_prompts(1, args.b1_prompt_len, args.b1_prompt_len, seed=1)[0]
     b1_tokens = args.b1_decode_tokens + 1  # the first token is prefill, not timed
-    print(f"\n=== {dtype} ===", flush=True)
-
+    print(f"\n=== {dtype} === {load_average()}", flush=True)
     eng = load_atom(folder, dtype, prompts, args.output_len)
-    eng.generate(prompts[:2], greedy(4), use_tqdm=False)  # warm-up
-    res.atom_tok_s, atom_out = atom_throughput(eng, prompts, args.output_len)
-    print(f"atom         throughput: {res.atom_tok_s:8.1f} tok/s", flush=True)
+    model = load_hf(folder, dtype)
+    eng.generate(prompts[:2], greedy(4), use_tqdm=False)  # warm-ups
+    hf_generate(model, prompts[:2], 4)
+
+    for r in range(args.rounds):
+        rate, atom_out = atom_throughput(eng, prompts, args.output_len)
+        res.atom_tok_s = max(res.atom_tok_s, rate)
+        print(f"[round {r + 1}] atom         throughput: {rate:8.1f} tok/s", flush=True)
+        rate, hf_out = hf_throughput(model, prompts, args.output_len, args.hf_batch_size, args.hf_sort)
+        res.hf_tok_s = max(res.hf_tok_s, rate)
+        print(f"[round {r + 1}] transformers throughput: {rate:8.1f} tok/s", flush=True)
+    res.matches = [(matching_prefix(a, h), len(a)) for a, h in zip(atom_out[: args.check], hf_out)]
+
     res.atom_b1 = atom_batch1_decode(eng, b1_prompt, b1_tokens, args.repeats)
     print(f"atom         batch-1 decode: {res.atom_b1:8.1f} tok/s", flush=True)
-    res.atom_split_ms = atom_decode_split(eng, prompts, args.output_len)
-    del eng
-    gc.collect()
-
-    model = load_hf(folder, dtype)
-    hf_generate(model, prompts[:2], 4)  # warm-up
-    res.hf_tok_s, hf_out = hf_throughput(model, prompts, args.output_len, args.hf_batch_size, args.hf_sort)
-    print(f"transformers throughput: {res.hf_tok_s:8.1f} tok/s", flush=True)
     res.hf_b1 = hf_batch1_decode(model, b1_prompt, b1_tokens, args.repeats)
     print(f"transformers batch-1 decode: {res.hf_b1:8.1f} tok/s", flush=True)
     del model
     gc.collect()
 
-    res.matches = [(matching_prefix(a, h), len(a)) for a, h in zip(atom_out[: args.check], hf_out)]
+    res.atom_split_ms = atom_decode_split(eng, prompts, args.output_len)
+    del eng
+    gc.collect()
     report_dtype(res)
     return res
 
@@ -262,7 +268,8 @@ def parse_args() -> argparse.Namespace:
                     help="sort prompts by length before batching them for transformers")
     ap.add_argument("--b1-prompt-len", type=int, default=64)
     ap.add_argument("--b1-decode-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine (median)")
+    ap.add_argument("--rounds", type=int, default=1, help="throughput runs per engine, alternating (best)")
+    ap.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine (best)")
     ap.add_argument("--check", type=int, default=4, help="prompts whose greedy outputs are compared")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, 16 output tokens")

@@ -146,7 +146,7 @@ def test_kv_pool_sized_from_memory_budget(tiny):
     engine = LLMEngine(tiny[0], kv_cache_memory=8192 * 20, max_model_len=64)
     assert engine.runner.block_bytes == 8192
     assert engine.config.num_kvcache_blocks == 20
-    assert engine.runner.kv_cache_tensors["kv_cache"].shape == (2, 2, 20, 2, 16, 16)
+    assert engine.runner.kv_cache_tensors["kv_cache"].shape == (2, 2, 2, 21, 16, 16)  # + the null block
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):

@@ -43,11 +43,6 @@ def _linear_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq}
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, looked up per token."""
 
@@ -59,18 +54,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        sin = emb.sin()
+        half = head_dim // 2
+        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped to broadcast over heads; computed once per step."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """cos and sign-folded sin for each token, shaped to broadcast over heads; once per step."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]. Equals x * cos + rotate_half(x) * sin bit for bit:
+    rolling by half a head and multiplying by (-sin, sin) is rotate_half without the cat."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
