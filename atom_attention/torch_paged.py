@@ -46,20 +46,22 @@ class TorchPagedAttention:
         for i in range(meta.num_reqs):
             s, e, L = int(cu[i]), int(cu[i + 1]), int(ctx[i])
             n = e - s
-            qi = q[s:e].transpose(0, 1)  # [heads, n, dim]
+            # 4-D inputs: torch's fused CPU kernel takes those (3-D ones fall back to the slow math path).
+            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if L == n:  # nothing cached: attend within the new tokens
-                ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+                ki, vi = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale, enable_gqa=True)
             else:
                 table = meta.block_tables[i, : (L + bs - 1) // bs]
-                ki = layer.k_cache.index_select(1, table).flatten(1, 2)[:, :L]  # [kv_heads, L, dim]
-                vi = layer.v_cache.index_select(1, table).flatten(1, 2)[:, :L]
+                ki = layer.k_cache.index_select(1, table).flatten(1, 2)[None, :, :L]  # [1, kv_heads, L, dim]
+                vi = layer.v_cache.index_select(1, table).flatten(1, 2)[None, :, :L]
+                if n == 1:  # one query sees every key: plain products beat the fused kernel's setup
+                    out[s] = _single_query(q[s], ki[0], vi[0], layer.scale)
+                    continue
                 # Causal, aligned to the end: new token j sees keys up to position L - n + j.
-                mask = None
-                if n > 1:
-                    mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+                mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scale, enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
+            out[s:e] = o[0].transpose(0, 1)
         return out
 
     def decode(self, layer, q, meta: AttentionMetadata) -> torch.Tensor:
@@ -84,3 +86,11 @@ class TorchPagedAttention:
         out = torch.zeros((kv_heads, num_reqs, group, dim), device=q.device).index_add_(1, req, pv)
         out = out.div_(denom.unsqueeze(-1)).transpose(0, 1)  # [num_reqs, kv_heads, group, dim]
         return out.reshape(num_reqs, heads, dim).to(q.dtype)
+
+
+def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [heads, dim]; k, v: [kv_heads, L, dim]. The query heads of a group share their K/V head."""
+    kv_heads, _, dim = k.shape
+    qg = q.view(kv_heads, -1, dim)  # [kv_heads, group, dim]
+    w = torch.matmul(qg, k.transpose(1, 2)).float().mul_(scale).softmax(dim=-1)
+    return torch.matmul(w.to(v.dtype), v).view(-1, dim)
