@@ -7,7 +7,7 @@ import torch
 
 from atom_core.attention import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
 from atom_core.scheduler import ScheduledBatch
-from atom_attention.cpu_kernel import CpuPagedAttention
+from atom_attention.torch_paged import TorchPagedAttention
 
 
 # Decode chunks hold at most this many blocks; the size is picked per step.
@@ -32,8 +32,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
     Heads outermost, so one head's run of blocks is a contiguous matrix once gathered.
     """
 
-    # The compiled CPU decode kernel where it builds, else the torch kernel it extends.
-    impl_cls = CpuPagedAttention
+    impl_cls = TorchPagedAttention
 
     def __init__(self, runner, layers):
         super().__init__(runner, layers)
@@ -80,7 +79,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
         meta.extra["slot_offset"] = slots % bs
         fresh = meta.slot_mapping_cpu[meta.positions_cpu % bs == 0] // bs  # blocks getting their first token
         meta.extra["fresh_blocks"] = torch.from_numpy(fresh).to(dev)
-        if meta.max_seqlen_q == 1 and meta.num_reqs > PER_REQUEST_DECODE_MAX and self.impl.uses_decode_chunks:
+        if meta.max_seqlen_q == 1 and meta.num_reqs > PER_REQUEST_DECODE_MAX:
             meta.extra.update(self._decode_chunks(meta))
         return meta
 

@@ -16,8 +16,6 @@ from atom_core.attention import AttentionMetadata
 
 
 class TorchPagedAttention:
-    uses_decode_chunks = True  # the builder prepares chunk metadata for `decode`
-
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

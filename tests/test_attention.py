@@ -8,17 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_attention.cpu_kernel import CpuPagedAttention  # noqa: E402
 from atom_attention.mha import MHAMetadataBuilder, chunk_size  # noqa: E402
-from atom_attention.torch_paged import TorchPagedAttention  # noqa: E402
-
-IMPLS = [TorchPagedAttention, CpuPagedAttention]
 from atom_core.layers import Attention  # noqa: E402
 
 BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 
 
-def make_builder(impl_cls, dtype=torch.float32):
+def make_builder(dtype=torch.float32):
     runner = SimpleNamespace(
         config=SimpleNamespace(kv_cache_block_size=BS),
         hf_config=None,
@@ -27,7 +23,7 @@ def make_builder(impl_cls, dtype=torch.float32):
         num_kvcache_blocks=NUM_BLOCKS,
     )
     layer = Attention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
-    builder = type("Builder", (MHAMetadataBuilder,), {"impl_cls": impl_cls})(runner, [layer])
+    builder = MHAMetadataBuilder(runner, [layer])
     builder.allocate_kv_cache_tensors(KV_HEADS, 0)
     assert builder.build_kv_cache_tensor(0, layer) is not None
     assert builder.compute_block_bytes() == 2 * BS * KV_HEADS * DIM * torch.tensor([], dtype=dtype).element_size()
@@ -60,10 +56,9 @@ def run_step(builder, layer, context_lens, tables, num_new, gen):
     """Write `num_new` tokens per request through the kernel; returns (q, output)."""
     meta = builder.build(batch(context_lens, tables, num_new))
     total = sum(num_new)
-    dt = builder.dtype
-    q = torch.randn(total, HEADS, DIM, generator=gen).to(dt)
-    k = torch.randn(total, KV_HEADS, DIM, generator=gen).to(dt)
-    v = torch.randn(total, KV_HEADS, DIM, generator=gen).to(dt)
+    q = torch.randn(total, HEADS, DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS, DIM, generator=gen)
     return meta, q, layer.impl.forward(layer, q, k, v, meta)
 
 
@@ -78,34 +73,25 @@ def reference(layer, q, tables, context_lens):
     return torch.stack(out)
 
 
-def test_the_compiled_kernel_builds_here():
-    # CI has gcc and the Python headers: a kernel that silently fell back would hide a regression.
-    assert CpuPagedAttention().ext is not None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl_cls", IMPLS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("context_lens", [[2, 17, 300, 16, 33, 5, 128, 129, 2], [40, 2, 250], [16] * 6])
-def test_prefill_then_decode_matches_reference(context_lens, impl_cls, dtype):
+def test_prefill_then_decode_matches_reference(context_lens):
     gen = torch.Generator().manual_seed(len(context_lens))
-    builder, layer = make_builder(impl_cls, dtype)
+    builder, layer = make_builder()
     # Unwritten slots may hold anything, NaN included (the null block alone starts zeroed).
     builder.kv_cache[:, :, :, :NUM_BLOCKS].fill_(float("nan"))
     tables = random_tables(context_lens, gen)
     prompt_lens = [L - 1 for L in context_lens]
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
     meta, q, out = run_step(builder, layer, prompt_lens, tables, prompt_lens, gen)
     assert "chunk_req" not in meta.extra
     for i, L in enumerate(prompt_lens):  # each prompt token: causal attention over the prompt so far
         s = sum(prompt_lens[:i])
         for j in (0, L - 1):
             ref = reference(layer, q[s + j : s + j + 1], [tables[i]], [j + 1])
-            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
+            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=1e-5, rtol=1e-5)
     meta, q, out = run_step(builder, layer, context_lens, tables, [1] * len(context_lens), gen)
     # The chunked path serves batches above a few requests; small ones go request by request.
-    assert ("chunk_req" in meta.extra) == (len(context_lens) > 4 and impl_cls is TorchPagedAttention)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=tol, rtol=tol)
+    assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
+    torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=1e-5, rtol=1e-5)
 
 
 def test_chunk_size_trades_padding_against_chunk_count():
