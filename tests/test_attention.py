@@ -14,7 +14,7 @@ from atom_core.layers import Attention  # noqa: E402
 BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 
 
-def make_builder(dtype=torch.float32):
+def make_builder(dtype):
     runner = SimpleNamespace(
         config=SimpleNamespace(kv_cache_block_size=BS),
         hf_config=None,
@@ -56,9 +56,9 @@ def run_step(builder, layer, context_lens, tables, num_new, gen):
     """Write `num_new` tokens per request through the kernel; returns (q, output)."""
     meta = builder.build(batch(context_lens, tables, num_new))
     total = sum(num_new)
-    q = torch.randn(total, HEADS, DIM, generator=gen)
-    k = torch.randn(total, KV_HEADS, DIM, generator=gen)
-    v = torch.randn(total, KV_HEADS, DIM, generator=gen)
+    q = torch.randn(total, HEADS, DIM, generator=gen).to(builder.dtype)
+    k = torch.randn(total, KV_HEADS, DIM, generator=gen).to(builder.dtype)
+    v = torch.randn(total, KV_HEADS, DIM, generator=gen).to(builder.dtype)
     return meta, q, layer.impl.forward(layer, q, k, v, meta)
 
 
@@ -73,10 +73,12 @@ def reference(layer, q, tables, context_lens):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context_lens", [[2, 17, 300, 16, 33, 5, 128, 129, 2], [40, 2, 250], [16] * 6])
-def test_prefill_then_decode_matches_reference(context_lens):
+def test_prefill_then_decode_matches_reference(context_lens, dtype):
     gen = torch.Generator().manual_seed(len(context_lens))
-    builder, layer = make_builder()
+    builder, layer = make_builder(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     # Unwritten slots may hold anything, NaN included (the null block alone starts zeroed).
     builder.kv_cache[:, :, :, :NUM_BLOCKS].fill_(float("nan"))
     tables = random_tables(context_lens, gen)
@@ -87,11 +89,11 @@ def test_prefill_then_decode_matches_reference(context_lens):
         s = sum(prompt_lens[:i])
         for j in (0, L - 1):
             ref = reference(layer, q[s + j : s + j + 1], [tables[i]], [j + 1])
-            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
     meta, q, out = run_step(builder, layer, context_lens, tables, [1] * len(context_lens), gen)
     # The chunked path serves batches above a few requests; small ones go request by request.
     assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
-    torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=tol, rtol=tol)
 
 
 def test_chunk_size_trades_padding_against_chunk_count():
