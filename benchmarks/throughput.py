@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,7 +47,6 @@ from atom_core.llm_engine import LLMEngine
 VOCAB_RANGE = (100, 40000)  # ordinary (non-special) token ids of SmolLM2's vocabulary
 PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
 BLOCK_SIZE = 16
-MIN_KV_BLOCKS = 8192 // BLOCK_SIZE  # Atom requires room for one max_model_len request
 
 
 @dataclass
@@ -80,9 +81,16 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 # -- Atom ---------------------------------------------------------------------------------
 
 
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
 def load_atom(folder: str, dtype: str, prompts: list[list[int]], output_len: int) -> LLMEngine:
-    blocks = sum(-(-(len(p) + output_len + 1) // BLOCK_SIZE) for p in prompts) + 64
-    return LLMEngine(folder, dtype=dtype, num_kvcache_blocks=max(blocks, MIN_KV_BLOCKS + 64))
+    """A KV pool just big enough for the workload (the default takes a quarter of free RAM)."""
+    max_model_len = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings", 4096)
+    needed = sum(blocks_for(len(p) + output_len + 1) for p in prompts)
+    blocks = max(needed, blocks_for(max_model_len)) + 64  # Atom wants room for one max-length request
+    return LLMEngine(folder, dtype=dtype, kv_cache_block_size=BLOCK_SIZE, num_kvcache_blocks=blocks)
 
 
 def greedy(output_len: int) -> SamplingParams:
@@ -286,6 +294,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     folder = str(fetch_default_model())
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed)
     lengths = [len(p) for p in prompts]
