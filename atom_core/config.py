@@ -47,7 +47,7 @@ class SpeculativeConfig:
 
 @attrs.define(kw_only=True)
 class Config:
-    """Everything the scheduler, block manager and (later) the model runner read.
+    """Everything the scheduler, block manager, model runner and engine read.
 
     A Config needs no model: `Config(num_kvcache_blocks=64)` is enough to drive a
     Scheduler. `num_kvcache_blocks=None` means "size the pool from memory", which

@@ -127,7 +127,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty: it must hold at least one token")
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+            if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__")):
                 raise ValueError(f"prompt token {i} is {t!r}, not a token id")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
