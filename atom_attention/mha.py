@@ -96,11 +96,10 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
         chunk_in_req = np.arange(len(req)) - first[:-1][req]
         block_idx = chunk_in_req[:, None] * c + np.arange(c)[None, :]  # [C, c] index into the request's table
         table = meta.block_tables_cpu
-        in_range = block_idx < table.shape[1]
         blocks = table[req[:, None], np.minimum(block_idx, table.shape[1] - 1)]
-        # Past a request's table: the null block; inside, a padded table entry is past its
-        # length too, so both are masked, and zeros times a zero weight stay zero.
-        blocks = np.where(in_range & (block_idx < nblocks[req][:, None]), blocks, self.null_block)
+        # Past a request's last block: the null block. Those slots are masked, and zeros
+        # times a zero weight stay zero.
+        blocks = np.where(block_idx < nblocks[req][:, None], blocks, self.null_block)
         token_pos = block_idx[:, :, None] * bs + np.arange(bs)[None, None, :]  # [C, c, bs]
         mask = (token_pos >= ctx[req][:, None, None]).reshape(len(req), c * bs)
         dev = self.device

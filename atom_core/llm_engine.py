@@ -73,7 +73,11 @@ class LLMEngine:
         from atom_core.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, hf_config)
-        self.config = attrs.evolve(config, num_kvcache_blocks=self.runner.num_kvcache_blocks)
+        self.config = attrs.evolve(
+            config,
+            num_kvcache_blocks=self.runner.num_kvcache_blocks,
+            num_per_req_cache_groups=self.runner.num_per_req_cache_groups,
+        )
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
         self.scheduler = Scheduler(self.config)

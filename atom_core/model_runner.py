@@ -14,7 +14,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
 import torch
 
 from atom_core.attention import AttentionMetadataBuilder
@@ -143,12 +142,17 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
+        # Per-request state groups (GDN-style attention); the scheduler must hand out
+        # exactly as many as were allocated, so the engine reads this count back.
+        stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
+        self.num_per_req_cache_groups = (
+            (self.config.num_per_req_cache_groups or self.config.max_num_seqs) if stateful else 0
+        )
         for builder in self.attn_builders.values():
             self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
-            per_req_bytes = builder.compute_per_req_cache_bytes()
-            if per_req_bytes:
-                groups = self.config.num_per_req_cache_groups or self.config.max_num_seqs
-                self.per_req_cache_tensors.update(builder.allocate_per_req_cache(groups * builder.slots_per_req()))
+        for builder in stateful:
+            slots = self.num_per_req_cache_groups * builder.slots_per_req()
+            self.per_req_cache_tensors.update(builder.allocate_per_req_cache(slots))
         kv_cache_data = {}
         for i, module in enumerate(self.attn_layers):
             layer_id = getattr(module, "layer_id", i)
@@ -190,5 +194,6 @@ class ModelRunner:
         timings["prepare"] += t1 - t0
         timings["forward"] += t2 - t1
         timings["sample"] += t3 - t2
-        self.last_logits = dict(zip(batch.req_ids, logits))  # for parity checks and debugging
+        # The step's logits, a row per request of `last_req_ids`: for parity checks and debugging.
+        self.last_req_ids, self.last_logits = batch.req_ids, logits
         return ScheduledBatchOutput({rid: (tok,) for rid, tok in zip(batch.req_ids, tokens)})

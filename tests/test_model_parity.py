@@ -34,7 +34,7 @@ def run_with_logits(engine: LLMEngine, prompts, max_tokens=NEW_TOKENS):
     while engine.has_unfinished_requests():
         for r in engine.step():
             results[r["request_id"]] = r
-        for rid, row in engine.runner.last_logits.items():
+        for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
             logits[rid].append(row.clone())
     return [results[i] for i in ids], [torch.stack(logits[i]) for i in ids]
 
