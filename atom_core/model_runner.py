@@ -107,6 +107,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_model_weights(model, self.config.model)
+        for module in model.modules():  # kernels chosen for the loaded weights' device and dtype
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
         return model.eval()
 
     # -- KV pool -------------------------------------------------------------------------

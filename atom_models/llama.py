@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers import Attention, MergedLinear, RMSNorm, apply_rotary, get_rope
+from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope
 
 
 def head_dim_of(cfg: Any) -> int:
@@ -27,7 +27,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d, "v": self.num_kv_heads * d}, bias
         )
-        self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=bias)
         self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id, attn_type="mha")
         if self.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -57,7 +57,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(h))
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = self.model_cls(hf_config)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

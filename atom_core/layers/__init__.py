@@ -1,8 +1,8 @@
 """Torch building blocks that model plugins share (they import torch; `atom_core` does not)."""
 
 from atom_core.layers.attention import Attention
-from atom_core.layers.linear import MergedLinear
+from atom_core.layers.linear import Linear, MergedLinear
 from atom_core.layers.norm import RMSNorm
 from atom_core.layers.rotary import RotaryEmbedding, apply_rotary, get_rope
 
-__all__ = ["Attention", "MergedLinear", "RMSNorm", "RotaryEmbedding", "apply_rotary", "get_rope"]
+__all__ = ["Attention", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "apply_rotary", "get_rope"]
