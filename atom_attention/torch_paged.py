@@ -2,20 +2,47 @@
 
 A layer's cache is `[kv_heads, num_blocks, block_size, head_dim]`: gathering a run of
 blocks for one head gives one contiguous `[tokens, head_dim]` matrix, so decode runs a
-few large matrix products instead of one per block. A faster kernel (a C++ extension,
-aiter on ROCm) plugs in by subclassing the builder and setting `impl_cls`; models and
-the runner never see the difference.
+few large matrix products instead of one per block. This is the portable path (any
+device torch runs on); `cpu_paged.py` replaces its decode with a C++ kernel, and other
+kernels (aiter on ROCm) plug in the same way, through the builder's `impl_cls`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from atom_core.attention import AttentionMetadata
 
+# Decode chunks hold at most this many blocks; the size is picked per step.
+MAX_CHUNK_BLOCKS = 16
+# What one more chunk costs, in gathered blocks: small matrix products are inefficient.
+CHUNK_OVERHEAD_BLOCKS = 2
+# Up to this many requests, decode runs one fused attention call per request instead.
+PER_REQUEST_DECODE_MAX = 4
+
+
+def chunk_size(nblocks: np.ndarray) -> int:
+    """The chunk size (in blocks) that gathers least, counting padding and per-chunk overhead."""
+    sizes = np.arange(1, min(MAX_CHUNK_BLOCKS, int(nblocks.max())) + 1)
+    nchunks = -(-nblocks[None, :] // sizes[:, None])  # [sizes, requests]
+    cost = (nchunks * (sizes[:, None] + CHUNK_OVERHEAD_BLOCKS)).sum(axis=1)
+    return int(sizes[np.argmin(cost)])
+
 
 class TorchPagedAttention:
+    def prepare(self, meta: AttentionMetadata, block_size: int, null_block: int) -> None:
+        """Add this kernel's per-step fields to `meta.extra` (once per step, for every layer)."""
+        bs, dev = block_size, meta.slot_mapping.device
+        slots = meta.slot_mapping
+        meta.extra["slot_block"] = slots // bs
+        meta.extra["slot_offset"] = slots % bs
+        fresh = meta.slot_mapping_cpu[meta.positions_cpu % bs == 0] // bs  # blocks getting their first token
+        meta.extra["fresh_blocks"] = torch.from_numpy(fresh).to(dev)
+        if meta.max_seqlen_q == 1 and meta.num_reqs > PER_REQUEST_DECODE_MAX:
+            meta.extra.update(decode_chunks(meta, bs, null_block))
+
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -94,3 +121,29 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     qg = q.view(kv_heads, -1, dim)  # [kv_heads, group, dim]
     w = torch.matmul(qg, k.transpose(1, 2)).float().mul_(scale).softmax(dim=-1)
     return torch.matmul(w.to(v.dtype), v).view(-1, dim)
+
+
+def decode_chunks(meta: AttentionMetadata, bs: int, null_block: int) -> dict[str, torch.Tensor]:
+    """Split each request's blocks into chunks of c blocks; padding stays under one chunk a request."""
+    ctx = meta.context_lens_cpu
+    nblocks = (ctx + bs - 1) // bs
+    c = chunk_size(nblocks)
+    nchunks = (nblocks + c - 1) // c
+    req = np.repeat(np.arange(len(ctx)), nchunks)
+    first = np.zeros(len(ctx) + 1, dtype=np.int64)
+    np.cumsum(nchunks, out=first[1:])
+    chunk_in_req = np.arange(len(req)) - first[:-1][req]
+    block_idx = chunk_in_req[:, None] * c + np.arange(c)[None, :]  # [C, c] index into the request's table
+    table = meta.block_tables_cpu
+    blocks = table[req[:, None], np.minimum(block_idx, table.shape[1] - 1)]
+    # Past a request's last block: the null block. Those slots are masked, and zeros
+    # times a zero weight stay zero.
+    blocks = np.where(block_idx < nblocks[req][:, None], blocks, null_block)
+    token_pos = block_idx[:, :, None] * bs + np.arange(bs)[None, None, :]  # [C, c, bs]
+    mask = (token_pos >= ctx[req][:, None, None]).reshape(len(req), c * bs)
+    dev = meta.slot_mapping.device
+    return {
+        "chunk_req": torch.from_numpy(req).to(dev),
+        "chunk_blocks": torch.from_numpy(blocks.reshape(-1)).to(dev),
+        "chunk_mask": torch.from_numpy(mask).to(dev),
+    }

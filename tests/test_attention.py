@@ -8,13 +8,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_attention.mha import MHAMetadataBuilder, chunk_size  # noqa: E402
+from atom_attention import cpu_kernels  # noqa: E402
+from atom_attention.cpu_paged import CpuPagedAttention  # noqa: E402
+from atom_attention.mha import MHAMetadataBuilder, default_impl_cls  # noqa: E402
+from atom_attention.torch_paged import TorchPagedAttention, chunk_size  # noqa: E402
 from atom_core.layers import Attention  # noqa: E402
+
+IMPLS = [TorchPagedAttention, CpuPagedAttention]
 
 BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 
 
-def make_builder(dtype):
+def make_builder(dtype, impl_cls=TorchPagedAttention):
     runner = SimpleNamespace(
         config=SimpleNamespace(kv_cache_block_size=BS),
         hf_config=None,
@@ -23,7 +28,7 @@ def make_builder(dtype):
         num_kvcache_blocks=NUM_BLOCKS,
     )
     layer = Attention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
-    builder = MHAMetadataBuilder(runner, [layer])
+    builder = type("Builder", (MHAMetadataBuilder,), {"impl_cls": impl_cls})(runner, [layer])
     builder.allocate_kv_cache_tensors(KV_HEADS, 0)
     assert builder.build_kv_cache_tensor(0, layer) is not None
     assert builder.compute_block_bytes() == 2 * BS * KV_HEADS * DIM * torch.tensor([], dtype=dtype).element_size()
@@ -73,11 +78,12 @@ def reference(layer, q, tables, context_lens):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("impl_cls", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context_lens", [[2, 17, 300, 16, 33, 5, 128, 129, 2], [40, 2, 250], [16] * 6])
-def test_prefill_then_decode_matches_reference(context_lens, dtype):
+def test_prefill_then_decode_matches_reference(context_lens, dtype, impl_cls):
     gen = torch.Generator().manual_seed(len(context_lens))
-    builder, layer = make_builder(dtype)
+    builder, layer = make_builder(dtype, impl_cls)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     # Unwritten slots may hold anything, NaN included (the null block alone starts zeroed).
     builder.kv_cache[:, :, :, :NUM_BLOCKS].fill_(float("nan"))
@@ -91,8 +97,8 @@ def test_prefill_then_decode_matches_reference(context_lens, dtype):
             ref = reference(layer, q[s + j : s + j + 1], [tables[i]], [j + 1])
             torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
     meta, q, out = run_step(builder, layer, context_lens, tables, [1] * len(context_lens), gen)
-    # The chunked path serves batches above a few requests; small ones go request by request.
-    assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
+    if impl_cls is TorchPagedAttention:  # chunks serve batches above a few requests; small ones go one by one
+        assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
     torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=tol, rtol=tol)
 
 
@@ -102,3 +108,32 @@ def test_chunk_size_trades_padding_against_chunk_count():
     assert chunk_size(np.array([11] * 64)) == 11  # equal lengths: one chunk each, no padding
     assert chunk_size(np.array([1, 2, 3])) == 3
     assert 1 <= chunk_size(np.array([1, 100, 7, 64])) <= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_serves_a_few_new_tokens_per_request_causally(dtype):
+    """Steps with up to KERNEL_MAX_QUERY_LEN new tokens a request (speculative verification)
+    go through the kernel: token j of n sees the cached prefix and new tokens up to j."""
+    gen = torch.Generator().manual_seed(7)
+    builder, layer = make_builder(dtype, CpuPagedAttention)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    context_lens, num_new = [37, 9, 64, 80], [3, 5, 1, 8]
+    tables = random_tables(context_lens, gen)
+    run_step(builder, layer, [L - n for L, n in zip(context_lens, num_new)], tables,
+             [L - n for L, n in zip(context_lens, num_new)], gen)  # the cached part
+    _, q, out = run_step(builder, layer, context_lens, tables, num_new, gen)
+    s = 0
+    for table, L, n in zip(tables, context_lens, num_new):
+        for j in range(n):
+            ref = reference(layer, q[s + j : s + j + 1], [table], [L - n + j + 1])
+            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
+        s += n
+
+
+def test_cpu_kernel_builds_where_a_compiler_is():
+    """CI has g++: a broken build must fail here, not fall back to the slow path unnoticed."""
+    import shutil
+
+    assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler on this machine"
+    assert cpu_kernels.load() is not None
+    assert default_impl_cls(torch.device("cpu")) is CpuPagedAttention

@@ -1,0 +1,304 @@
+// Paged attention for CPU: reads each request's K/V where they lie in the block pool.
+//
+// The torch path gathers every request's blocks into a fresh tensor before two matrix
+// products; at decode that copy costs as much as the products themselves. Here one task
+// per (request, KV head) walks the request's block table: the scores of the query heads
+// sharing that KV head against the K rows, a float32 softmax, then the weighted sum of
+// the V rows, accumulated in float32 whatever the cache dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (a score minus its row's maximum), within ~2 ulp of expf and
+// written so the compiler vectorises it; libm's expf is scalar.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;  // exp(-87) ~ 1.6e-38: smaller weights round to nothing
+  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);  // x = k ln2 + r
+  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  float p = 1.f / 5040.f;  // Taylor series of exp(r), |r| <= ln2 / 2: error < 1.2e-7
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Row operations on one block: scores of `rows` K rows against a float query, and
+// acc += sum_t p[t] * V row t. `GenericRows` takes any head_dim; `VecRows<T, D>` (D a
+// multiple of 16) keeps the query and the accumulator in AVX-512 registers and sums four
+// dot products with one shuffle tree (the compiler's own reduction spilled all 16 lanes
+// to the stack and added them one at a time, which cost more than the multiplies).
+template <typename T>
+struct GenericRows {
+  static void scores(const float* q, const T* rows, int64_t stride, int64_t n, int64_t dim, float* out) {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride;
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += q[d] * to_float(row[d]);
+      out[t] = s;
+    }
+  }
+  static void accumulate(const float* p, const T* rows, int64_t stride, int64_t n, int64_t dim, float* acc) {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride;
+      const float w = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(row[d]);
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The four horizontal sums of a, b, c, d.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+template <typename T, int D>
+struct VecRows {
+  static constexpr int N = D > 0 ? D / 16 : 1;
+  static void scores(const float* q, const T* rows, int64_t stride, int64_t n, int64_t, float* out) {
+    __m512 qv[N];
+    for (int i = 0; i < N; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      __m512 a[4];
+      for (int r = 0; r < 4; ++r) {
+        const T* row = rows + (t + r) * stride;
+        a[r] = _mm512_mul_ps(qv[0], load16(row));
+        for (int i = 1; i < N; ++i) a[r] = _mm512_fmadd_ps(qv[i], load16(row + 16 * i), a[r]);
+      }
+      _mm_storeu_ps(out + t, hsum4(a[0], a[1], a[2], a[3]));
+    }
+    for (; t < n; ++t) {
+      const T* row = rows + t * stride;
+      __m512 a = _mm512_mul_ps(qv[0], load16(row));
+      for (int i = 1; i < N; ++i) a = _mm512_fmadd_ps(qv[i], load16(row + 16 * i), a);
+      out[t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  static void accumulate(const float* p, const T* rows, int64_t stride, int64_t n, int64_t, float* acc) {
+    __m512 av[N];
+    for (int i = 0; i < N; ++i) av[i] = _mm512_loadu_ps(acc + 16 * i);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride;
+      const __m512 w = _mm512_set1_ps(p[t]);
+      for (int i = 0; i < N; ++i) av[i] = _mm512_fmadd_ps(w, load16(row + 16 * i), av[i]);
+    }
+    for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + 16 * i, av[i]);
+  }
+};
+template <typename T, int D>
+constexpr bool kVectorized = D > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+template <typename T, int D>
+using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>>;
+#else
+template <typename T, int D>
+using Rows = GenericRows<T>;
+#endif
+
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
+// block boundary: ask for the next block while the current one is computed.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
+// (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
+// [query_start_loc[i], query_start_loc[i + 1]), the last n of its context_lens[i]
+// positions; its token j sees keys up to position ctx - n + j (causal).
+template <typename T, int D>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens,
+                    const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  using R = Rows<T, D>;
+  const int64_t num_reqs = context_lens.size(0);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t group = heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t kh = k_cache.stride(0), kb = k_cache.stride(1), kr = k_cache.stride(2);
+  const int64_t vh = v_cache.stride(0), vb = v_cache.stride(1), vr = v_cache.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
+
+  at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), denom(group), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t n = starts[r + 1] - starts[r];
+      const int64_t* table = tables + r * max_blocks;
+      const T* kbase = kp + h * kh;
+      const T* vbase = vp + h * vh;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t tok = starts[r] + j;
+        const int64_t len = ctx[r] - n + j + 1;  // keys this query sees
+        scores.resize(group * len);
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = qp + tok * qs0 + (h * group + g) * qs1;
+          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
+        }
+        for (int64_t start = 0; start < len; start += block_size) {
+          const T* block = kbase + table[start / block_size] * kb;
+          if (start + block_size < len) prefetch(kbase + table[start / block_size + 1] * kb, block_bytes);
+          const int64_t rows = std::min(block_size, len - start);
+          for (int64_t g = 0; g < group; ++g)
+            R::scores(qf.data() + g * dim, block, kr, rows, dim, scores.data() + g * len + start);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * len;
+          float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+          for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < len; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - m);
+            sum += sg[t];
+          }
+          denom[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t start = 0; start < len; start += block_size) {
+          const T* block = vbase + table[start / block_size] * vb;
+          if (start + block_size < len) prefetch(vbase + table[start / block_size + 1] * vb, block_bytes);
+          const int64_t rows = std::min(block_size, len - start);
+          for (int64_t g = 0; g < group; ++g)
+            R::accumulate(scores.data() + g * len + start, block, vr, rows, dim, acc.data() + g * dim);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          T* dst = op + tok * os0 + (h * group + g) * os1;
+          const float inv = 1.f / denom[g];
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt,
+                  const at::Tensor& cl, const at::Tensor& qsl, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return attention_impl<T, 64>(q, k, v, bt, cl, qsl, scale, out);
+    case 128: return attention_impl<T, 128>(q, k, v, bt, cl, qsl, scale, out);
+    default: return attention_impl<T, 0>(q, k, v, bt, cl, qsl, scale, out);
+  }
+}
+
+void check_cache(const at::Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4, name, " must be [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(c.stride(3) == 1, name, " rows must be contiguous");
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous rows");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and cache head_dim differ");
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = context_lens.to(at::kLong).contiguous();
+  auto starts = query_start_loc.to(at::kLong).contiguous();
+  TORCH_CHECK(starts.size(0) == lens.size(0) + 1, "query_start_loc needs one entry more than context_lens");
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
+    case at::kHalf: attention_impl<c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
+    default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+// k, v: [tokens, kv_heads, dim] -> the pool slots `slot_mapping` names.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "new K/V and the caches must share a dtype");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "new K/V must be [tokens, kv_heads, dim], rows contiguous");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2);
+  const int64_t block_size = k_cache.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t elem = k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t block = sp[i] / block_size, off = sp[i] % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(kc + (h * k_cache.stride(0) + block * k_cache.stride(1) + off * k_cache.stride(2)) * elem,
+                    ks + (i * k.stride(0) + h * k.stride(1)) * elem, dim * elem);
+        std::memcpy(vc + (h * v_cache.stride(0) + block * v_cache.stride(1) + off * v_cache.stride(2)) * elem,
+                    vs + (i * v.stride(0) + h * v.stride(1)) * elem, dim * elem);
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention of new tokens over their paged KV (CPU)");
+  m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
+}
