@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope
+from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope, silu_and_mul
 
 
 def head_dim_of(cfg: Any) -> int:
@@ -60,8 +59,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(h))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaDecoderLayer(nn.Module):

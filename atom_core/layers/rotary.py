@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from atom_core.layers.ops import apply_rotary  # noqa: F401  (re-exported: models import it from here)
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """One dict whatever the config's age: transformers 5 `rope_parameters`, or older
@@ -61,12 +63,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for each token, shaped to broadcast over heads; once per step."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]. Equals x * cos + rotate_half(x) * sin bit for bit:
-    rolling by half a head and multiplying by (-sin, sin) is rotate_half without the cat."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:

@@ -1,0 +1,35 @@
+"""Build-on-first-use C++ extensions for the CPU kernels (`torch.utils.cpp_extension`).
+
+Each is compiled once with the machine's C++ compiler, for the CPU it runs on
+(-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions), and reloaded from there afterwards. Without a compiler, or
+with ATOM_CPU_KERNELS=0, `load_extension` returns None and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def load_extension(name: str, source: Path) -> ModuleType | None:
+    if os.environ.get("ATOM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            # no fused multiply-add contraction: float32 results round as torch's do
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
+        logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch path", name, e)
+        return None

@@ -1,0 +1,182 @@
+// Fused CPU versions of the elementwise layers every model uses (vLLM's rms_norm,
+// silu_and_mul and rotary_embedding custom ops). torch runs each of these as three to
+// five broadcasting ops with a temporary per op; over a prefill's [tokens, hidden]
+// activations that cost 10-15% of the step. Each kernel here reads its input once and
+// rounds where transformers rounds (to the activation dtype after each product), so
+// float32 results are those of the torch path up to summation order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float f);
+template <>
+inline float from_float<float>(float f) { return f; }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+template <>
+inline c10::Half from_float<c10::Half>(float f) { return c10::Half(f); }
+
+// Round a float through T (a no-op for float): where transformers holds a product in the
+// activation dtype, so do we.
+template <typename T>
+inline float round_through(float f) { return to_float(from_float<T>(f)); }
+
+// exp(x), vectorisable: x = k ln2 + r, a degree-7 Taylor series for exp(r), 2^k from the
+// exponent bits. Within ~2 ulp of expf on [-87, 88]; clamped outside.
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Rows per task so that a task holds ~16k elements: decode batches stay on one thread.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += to_float(row[i]) * to_float(row[i]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
+      T* dst = op + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(wp[i]) * round_through<T>(to_float(row[i]) * inv));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = out.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * xs;
+      const T* up = gate + n;
+      T* dst = op + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        dst[i] = from_float<T>(round_through<T>(g / (1.f + fast_exp(-g))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+// x: [tokens, heads, dim], rotated in place; cos, sin: [tokens, (1,) dim] (sin sign-folded:
+// -sin on the first half). out = x * cos + roll(x, dim / 2) * sin, as the torch path.
+template <typename T>
+void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
+    float buf[1024];
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * cs;
+      const T* s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + t * xs0 + h * xs1;
+        for (int64_t d = 0; d < dim; ++d) buf[d] = to_float(v[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+          const float rolled = d < half ? buf[d + half] : buf[d - half];
+          v[d] = from_float<T>(round_through<T>(buf[d] * to_float(c[d])) + round_through<T>(rolled * to_float(s[d])));
+        }
+      }
+    }
+  });
+}
+
+#define DISPATCH(dtype, name, ...)                                                         \
+  switch (dtype) {                                                                         \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                      \
+    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; }           \
+    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }                   \
+    default: TORCH_CHECK(false, name " takes float32, bfloat16 or float16, not ", dtype); \
+  }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " takes a [rows, n] tensor with contiguous rows");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm weight must be contiguous, of the input's width and dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar_t>(x, weight, eps, out));
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul takes [rows, 2 * n] (gate then up)");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(x, out));
+  return out;
+}
+
+at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "rotary_ takes [tokens, heads, dim], rows contiguous");
+  TORCH_CHECK(x.size(2) % 2 == 0 && x.size(2) <= 1024, "rotary_ head_dim must be even and at most 1024");
+  TORCH_CHECK(cos.size(0) == x.size(0) && sin.size(0) == x.size(0) && cos.size(-1) == x.size(2) &&
+                  sin.size(-1) == x.size(2) && cos.stride(-1) == 1 && sin.stride(-1) == 1,
+              "rotary_ cos/sin must be [tokens, (1,) head_dim] with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary_ cos/sin must have the input's dtype");
+  DISPATCH(x.scalar_type(), "rotary_", rotary_impl<scalar_t>(x, cos, sin));
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32 statistics (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up] (CPU)");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place (CPU)");
+}
