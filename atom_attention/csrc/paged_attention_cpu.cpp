@@ -23,12 +23,7 @@
 namespace {
 
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 // exp(x) for x <= 0 (a score minus its row's maximum), within ~2 ulp of expf and
@@ -45,10 +40,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);  // p * 2^k
 }
 
 // Row operations on one block: scores of `rows` K rows against a float query, and

@@ -25,8 +25,9 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
         return cpp_extension.load(
             name=name,
             sources=[str(source)],
-            # no fused multiply-add contraction: float32 results round as torch's do
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            # no fused multiply-add contraction (float32 results round as torch's do); no FP
+            # exception or errno semantics, which keep floor and sqrt from vectorising
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
