@@ -62,6 +62,25 @@ def test_batch_of_mixed_lengths_matches_transformers(tiny):
     assert engine.scheduler.block_manager.num_free_blocks == 64
 
 
+def test_portable_torch_path_matches_transformers(tiny, monkeypatch):
+    """The same batch with every C++ and oneDNN kernel off: the path other devices take."""
+    from atom_attention.mha import MHAMetadataBuilder
+    from atom_attention.torch_paged import TorchPagedAttention
+    from atom_core.layers import ops
+
+    monkeypatch.setattr(MHAMetadataBuilder, "impl_cls", TorchPagedAttention)
+    monkeypatch.setattr(ops, "_native", lambda x: None)
+    monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")
+    folder, model = tiny
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    assert all(type(m.impl) is TorchPagedAttention for m in engine.runner.attn_layers)
+    assert all(m.gemm is torch.nn.functional.linear for m in engine.runner.model.modules() if hasattr(m, "gemm"))
+    engine.runner.kv_cache_tensors["kv_cache"][:, :, :, :64].fill_(float("nan"))
+    prompts = random_prompts(PROMPT_LENS + (3, 60, 33))  # more than 4 requests: chunked decode
+    results, logits = run_with_logits(engine, prompts)
+    check_against_hf(model, prompts, results, logits)
+
+
 def test_prefix_caching_matches_transformers(tiny):
     folder, model = tiny
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256, enable_prefix_caching=True)
