@@ -43,27 +43,37 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);  // p * 2^k
 }
 
-// Row operations on one block: scores of `rows` K rows against a float query, and
-// acc += sum_t p[t] * V row t. `GenericRows` takes any head_dim; `VecRows<T, D>` (D a
-// multiple of 16) keeps the query and the accumulator in AVX-512 registers and sums four
-// dot products with one shuffle tree (the compiler's own reduction spilled all 16 lanes
-// to the stack and added them one at a time, which cost more than the multiplies).
+// Row operations on one block, for `hb` query heads at once (the heads sharing a KV head
+// read each K/V row once): scores of `n` K rows against float queries q[hb][dim] into
+// out[h * out_stride + t], and acc[h][dim] += sum_t p[h * p_stride + t] * V row t.
+// `GenericRows` takes any head_dim; `VecRows<T, D>` (D a multiple of 16) keeps the
+// accumulators in AVX-512 registers and sums four dot products with one shuffle tree (the
+// compiler's own reduction spilled all 16 lanes to the stack and added them one by one).
 template <typename T>
 struct GenericRows {
-  static void scores(const float* q, const T* rows, int64_t stride, int64_t n, int64_t dim, float* out) {
+  static constexpr int kHeads = 8;
+  static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t dim, float* out,
+                     int64_t out_stride) {
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
-      float s = 0.f;
-      for (int64_t d = 0; d < dim; ++d) s += q[d] * to_float(row[d]);
-      out[t] = s;
+      for (int h = 0; h < hb; ++h) {
+        const float* qh = q + h * dim;
+        float s = 0.f;
+        for (int64_t d = 0; d < dim; ++d) s += qh[d] * to_float(row[d]);
+        out[h * out_stride + t] = s;
+      }
     }
   }
-  static void accumulate(const float* p, const T* rows, int64_t stride, int64_t n, int64_t dim, float* acc) {
+  static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
+                         int64_t dim, float* acc) {
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
-      const float w = p[t];
+      for (int h = 0; h < hb; ++h) {
+        const float w = p[h * p_stride + t];
+        float* ah = acc + h * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(row[d]);
+        for (int64_t d = 0; d < dim; ++d) ah[d] += w * to_float(row[d]);
+      }
     }
   }
 };
@@ -88,36 +98,57 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 template <typename T, int D>
 struct VecRows {
-  static constexpr int N = D > 0 ? D / 16 : 1;
-  static void scores(const float* q, const T* rows, int64_t stride, int64_t n, int64_t, float* out) {
-    __m512 qv[N];
-    for (int i = 0; i < N; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  static constexpr int N = D > 0 ? D / 16 : 1;   // registers per row
+  static constexpr int kHeads = N <= 4 ? 4 : 2;  // heads per pass: accumulators stay within 32 registers
+  static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t, float* out,
+                     int64_t out_stride) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-      __m512 a[4];
-      for (int r = 0; r < 4; ++r) {
-        const T* row = rows + (t + r) * stride;
-        a[r] = _mm512_mul_ps(qv[0], load16(row));
-        for (int i = 1; i < N; ++i) a[r] = _mm512_fmadd_ps(qv[i], load16(row + 16 * i), a[r]);
+      __m512 a[kHeads][4];
+      for (int h = 0; h < kHeads; ++h)
+        for (int r = 0; r < 4; ++r) a[h][r] = _mm512_setzero_ps();
+      for (int i = 0; i < N; ++i) {
+        __m512 x[4];
+        for (int r = 0; r < 4; ++r) x[r] = load16(rows + (t + r) * stride + 16 * i);
+        for (int h = 0; h < kHeads; ++h) {
+          if (h >= hb) break;
+          const __m512 qv = _mm512_loadu_ps(q + h * D + 16 * i);
+          for (int r = 0; r < 4; ++r) a[h][r] = _mm512_fmadd_ps(qv, x[r], a[h][r]);
+        }
       }
-      _mm_storeu_ps(out + t, hsum4(a[0], a[1], a[2], a[3]));
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= hb) break;
+        _mm_storeu_ps(out + h * out_stride + t, hsum4(a[h][0], a[h][1], a[h][2], a[h][3]));
+      }
     }
     for (; t < n; ++t) {
       const T* row = rows + t * stride;
-      __m512 a = _mm512_mul_ps(qv[0], load16(row));
-      for (int i = 1; i < N; ++i) a = _mm512_fmadd_ps(qv[i], load16(row + 16 * i), a);
-      out[t] = _mm512_reduce_add_ps(a);
+      for (int h = 0; h < hb; ++h) {
+        __m512 a = _mm512_setzero_ps();
+        for (int i = 0; i < N; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * i), load16(row + 16 * i), a);
+        out[h * out_stride + t] = _mm512_reduce_add_ps(a);
+      }
     }
   }
-  static void accumulate(const float* p, const T* rows, int64_t stride, int64_t n, int64_t, float* acc) {
-    __m512 av[N];
-    for (int i = 0; i < N; ++i) av[i] = _mm512_loadu_ps(acc + 16 * i);
+  static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
+                         int64_t, float* acc) {
+    __m512 av[kHeads][N];
+    for (int h = 0; h < kHeads; ++h)
+      for (int i = 0; i < N; ++i) av[h][i] = h < hb ? _mm512_loadu_ps(acc + h * D + 16 * i) : _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
-      const __m512 w = _mm512_set1_ps(p[t]);
-      for (int i = 0; i < N; ++i) av[i] = _mm512_fmadd_ps(w, load16(row + 16 * i), av[i]);
+      __m512 x[N];
+      for (int i = 0; i < N; ++i) x[i] = load16(row + 16 * i);
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= hb) break;
+        const __m512 w = _mm512_set1_ps(p[h * p_stride + t]);
+        for (int i = 0; i < N; ++i) av[h][i] = _mm512_fmadd_ps(w, x[i], av[h][i]);
+      }
     }
-    for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + 16 * i, av[i]);
+    for (int h = 0; h < kHeads; ++h) {
+      if (h >= hb) break;
+      for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + h * D + 16 * i, av[h][i]);
+    }
   }
 };
 template <typename T, int D>
@@ -128,13 +159,6 @@ using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>
 template <typename T, int D>
 using Rows = GenericRows<T>;
 #endif
-
-// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
-// block boundary: ask for the next block while the current one is computed.
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
-}
 
 // q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
@@ -162,7 +186,6 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(T));
 
   at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), denom(group), scores;
@@ -182,10 +205,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         }
         for (int64_t start = 0; start < len; start += block_size) {
           const T* block = kbase + table[start / block_size] * kb;
-          if (start + block_size < len) prefetch(kbase + table[start / block_size + 1] * kb, block_bytes);
           const int64_t rows = std::min(block_size, len - start);
-          for (int64_t g = 0; g < group; ++g)
-            R::scores(qf.data() + g * dim, block, kr, rows, dim, scores.data() + g * len + start);
+          for (int64_t g = 0; g < group; g += R::kHeads)
+            R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)), block, kr, rows,
+                      dim, scores.data() + g * len + start, len);
         }
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * len;
@@ -203,10 +226,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t start = 0; start < len; start += block_size) {
           const T* block = vbase + table[start / block_size] * vb;
-          if (start + block_size < len) prefetch(vbase + table[start / block_size + 1] * vb, block_bytes);
           const int64_t rows = std::min(block_size, len - start);
-          for (int64_t g = 0; g < group; ++g)
-            R::accumulate(scores.data() + g * len + start, block, vr, rows, dim, acc.data() + g * dim);
+          for (int64_t g = 0; g < group; g += R::kHeads)
+            R::accumulate(scores.data() + g * len + start, len, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
+                          block, vr, rows, dim, acc.data() + g * dim);
         }
         for (int64_t g = 0; g < group; ++g) {
           T* dst = op + tok * os0 + (h * group + g) * os1;
