@@ -41,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last dim -> silu(gate) * up (torch's own kernels beat a fused one here)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one fewer [tokens, intermediate] temporary
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
