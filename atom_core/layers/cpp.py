@@ -8,12 +8,26 @@ with ATOM_CPU_KERNELS=0, `load_extension` returns None and callers keep their to
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+
+def cpu_tag() -> str:
+    """Names the instruction set a -march=native build targets, so a cache shared between
+    different CPUs (a network home folder) never loads a build for the wrong one."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
 def load_extension(name: str, source: Path) -> ModuleType | None:
@@ -23,7 +37,7 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
-            name=name,
+            name=f"{name}_{cpu_tag()}",
             sources=[str(source)],
             # no fused multiply-add contraction (float32 results round as torch's do); no FP
             # exception or errno semantics, which keep floor and sqrt from vectorising
