@@ -137,3 +137,32 @@ def test_cpu_kernel_builds_where_a_compiler_is():
     assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler on this machine"
     assert cpu_kernels.load() is not None
     assert default_impl_cls(torch.device("cpu")) is CpuPagedAttention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (64, 2, 5), (128, 2, 3), (128, 1, 4), (96, 2, 2)])
+def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group):
+    """Head dims 64 and 128 take the AVX-512 paths (several query heads per pass over a row;
+    groups above a pass's capacity take two), others the generic loop."""
+    ops = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(dim + group)
+    bs, nblocks = 16, 64
+    context_lens = [1, 15, 16, 17, 100, 203]
+    perm = torch.randperm(nblocks, generator=gen)
+    tables, used = torch.zeros(len(context_lens), 13, dtype=torch.int64), 0
+    for i, L in enumerate(context_lens):
+        n = -(-L // bs)
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    k_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), kv_heads * group, dim, generator=gen).to(dtype)
+    out = ops.paged_attention(q, k_cache, v_cache, tables, torch.tensor(context_lens),
+                              torch.arange(len(context_lens) + 1), dim**-0.5)
+    for i, L in enumerate(context_lens):
+        k = k_cache[:, tables[i]].flatten(1, 2)[:, :L].float().repeat_interleave(group, 0)
+        v = v_cache[:, tables[i]].flatten(1, 2)[:, :L].float().repeat_interleave(group, 0)
+        w = torch.softmax((q[i].float().unsqueeze(1) @ k.transpose(1, 2)) * dim**-0.5, dim=-1)
+        ref = (w @ v).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
