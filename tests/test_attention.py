@@ -47,8 +47,8 @@ def batch(context_lens, tables, num_new):
     )
 
 
-def random_tables(context_lens, gen):
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+def random_tables(context_lens, gen, num_blocks=NUM_BLOCKS):
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for L in context_lens:
         n = -(-L // BS)
@@ -67,13 +67,14 @@ def run_step(builder, layer, context_lens, tables, num_new, gen):
     return meta, q, layer.impl.forward(layer, q, k, v, meta)
 
 
-def reference(layer, q, tables, context_lens):
+def reference(k_cache, v_cache, scale, q, tables, context_lens):
+    """softmax(q K^T) V per request, over the first L slots of its blocks, in the inputs' dtype."""
     out = []
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // k_cache.shape[0]
     for i, (table, L) in enumerate(zip(tables, context_lens)):
-        k = layer.k_cache[:, table].flatten(1, 2)[:, :L].repeat_interleave(group, 0)  # [heads, L, dim]
-        v = layer.v_cache[:, table].flatten(1, 2)[:, :L].repeat_interleave(group, 0)
-        w = torch.softmax((q[i].unsqueeze(1) @ k.transpose(1, 2)).float() * layer.scale, dim=-1)
+        k = k_cache[:, table].flatten(1, 2)[:, :L].repeat_interleave(group, 0)  # [heads, L, dim]
+        v = v_cache[:, table].flatten(1, 2)[:, :L].repeat_interleave(group, 0)
+        w = torch.softmax((q[i].unsqueeze(1) @ k.transpose(1, 2)).float() * scale, dim=-1)
         out.append((w.to(v.dtype) @ v).squeeze(1))
     return torch.stack(out)
 
@@ -94,12 +95,12 @@ def test_prefill_then_decode_matches_reference(context_lens, dtype, impl_cls):
     for i, L in enumerate(prompt_lens):  # each prompt token: causal attention over the prompt so far
         s = sum(prompt_lens[:i])
         for j in (0, L - 1):
-            ref = reference(layer, q[s + j : s + j + 1], [tables[i]], [j + 1])
+            ref = reference(layer.k_cache, layer.v_cache, layer.scale, q[s + j : s + j + 1], [tables[i]], [j + 1])
             torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
     meta, q, out = run_step(builder, layer, context_lens, tables, [1] * len(context_lens), gen)
     if impl_cls is TorchPagedAttention:  # chunks serve batches above a few requests; small ones go one by one
         assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
-    torch.testing.assert_close(out, reference(layer, q, tables, context_lens), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, reference(layer.k_cache, layer.v_cache, layer.scale, q, tables, context_lens), atol=tol, rtol=tol)
 
 
 def test_chunk_size_trades_padding_against_chunk_count():
@@ -125,7 +126,7 @@ def test_cpu_kernel_serves_a_few_new_tokens_per_request_causally(dtype):
     s = 0
     for table, L, n in zip(tables, context_lens, num_new):
         for j in range(n):
-            ref = reference(layer, q[s + j : s + j + 1], [table], [L - n + j + 1])
+            ref = reference(layer.k_cache, layer.v_cache, layer.scale, q[s + j : s + j + 1], [table], [L - n + j + 1])
             torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
         s += n
 
@@ -148,21 +149,14 @@ def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group):
     gen = torch.Generator().manual_seed(dim + group)
     bs, nblocks = 16, 64
     context_lens = [1, 15, 16, 17, 100, 203]
-    perm = torch.randperm(nblocks, generator=gen)
-    tables, used = torch.zeros(len(context_lens), 13, dtype=torch.int64), 0
-    for i, L in enumerate(context_lens):
-        n = -(-L // bs)
-        tables[i, :n] = perm[used : used + n]
-        used += n
+    tables = random_tables(context_lens, gen, nblocks)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     k_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
     v_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
     q = torch.randn(len(context_lens), kv_heads * group, dim, generator=gen).to(dtype)
-    out = ops.paged_attention(q, k_cache, v_cache, tables, torch.tensor(context_lens),
+    out = ops.paged_attention(q, k_cache, v_cache, padded, torch.tensor(context_lens),
                               torch.arange(len(context_lens) + 1), dim**-0.5)
-    for i, L in enumerate(context_lens):
-        k = k_cache[:, tables[i]].flatten(1, 2)[:, :L].float().repeat_interleave(group, 0)
-        v = v_cache[:, tables[i]].flatten(1, 2)[:, :L].float().repeat_interleave(group, 0)
-        w = torch.softmax((q[i].float().unsqueeze(1) @ k.transpose(1, 2)) * dim**-0.5, dim=-1)
-        ref = (w @ v).squeeze(1)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+    ref = reference(k_cache.float(), v_cache.float(), dim**-0.5, q.float(), tables, context_lens)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -20,11 +20,11 @@
 #include <immintrin.h>
 #endif
 
+#include "float_convert.h"  // atom_core/layers/csrc, on the include path load_extension sets
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using atom::to_float;
 
 // exp(x) for x <= 0 (a score minus its row's maximum), within ~2 ulp of expf and
 // written so the compiler vectorises it; libm's expf is scalar.

@@ -17,6 +17,9 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+# Headers every kernel may include (float_convert.h), wherever its own source lives.
+INCLUDE_DIR = Path(__file__).parent / "csrc"
+
 
 def cpu_tag() -> str:
     """Names the instruction set a -march=native build targets, so a cache shared between
@@ -39,6 +42,7 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
         return cpp_extension.load(
             name=f"{name}_{cpu_tag()}",
             sources=[str(source)],
+            extra_include_paths=[str(INCLUDE_DIR)],
             # no fused multiply-add contraction (float32 results round as torch's do); no FP
             # exception or errno semantics, which keep floor and sqrt from vectorising
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],

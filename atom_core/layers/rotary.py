@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.layers.ops import apply_rotary  # noqa: F401  (re-exported: models import it from here)
-
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """One dict whatever the config's age: transformers 5 `rope_parameters`, or older

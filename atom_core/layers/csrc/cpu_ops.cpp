@@ -10,26 +10,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "float_convert.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline T from_float(float f);
-template <>
-inline float from_float<float>(float f) { return f; }
-template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float f) {  // round to nearest even, as torch does
-  const uint32_t bits = __builtin_bit_cast(uint32_t, f);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-}
-template <>
-inline c10::Half from_float<c10::Half>(float f) { return c10::Half(f); }
+using atom::from_float;
+using atom::to_float;
 
 // Round a float through T (a no-op for float): where transformers holds a product in the
 // activation dtype, so do we.
