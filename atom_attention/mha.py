@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from atom_core.attention import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
+from atom_core.memory import empty_resident
 from atom_core.scheduler import ScheduledBatch
 from atom_attention import cpu_kernels
 from atom_attention.cpu_paged import CpuPagedAttention
@@ -50,7 +51,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
             self.block_size,
             self.head_dim,
         )
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = empty_resident(shape, self.dtype, self.device)
         self.kv_cache[:, :, :, self.null_block].zero_()
         return {"kv_cache": self.kv_cache}
 
