@@ -43,9 +43,22 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);  // p * 2^k
 }
 
+// Blocks lie anywhere in the pool (after a while a pool hands them out in no order), and
+// the hardware prefetcher stops at each block's edge: while one block is read, its rows in
+// the block two ahead are fetched into L2. Scattered blocks read 1.5-2x faster with this,
+// contiguous ones no slower (30 layers, 64 requests, float32 and bfloat16).
+constexpr int64_t kPrefetchAhead = 2;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // Row operations on one block, for `hb` query heads at once (the heads sharing a KV head
 // read each K/V row once): scores of `n` K rows against float queries q[hb][dim] into
-// out[h * out_stride + t], and acc[h][dim] += sum_t p[h * p_stride + t] * V row t.
+// out[h * out_stride + t], and acc[h][dim] += sum_t p[h * p_stride + t] * V row t; each
+// prefetches the same rows of `ahead` (a block read later; null: none).
 // `GenericRows` takes any head_dim; `VecRows<T, D>` (D a multiple of 16) keeps the
 // accumulators in AVX-512 registers and sums four dot products with one shuffle tree (the
 // compiler's own reduction spilled all 16 lanes to the stack and added them one by one).
@@ -53,9 +66,10 @@ template <typename T>
 struct GenericRows {
   static constexpr int kHeads = 8;
   static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t dim, float* out,
-                     int64_t out_stride) {
+                     int64_t out_stride, const T* ahead) {
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
+      if (ahead) prefetch_row(ahead + t * stride, dim);
       for (int h = 0; h < hb; ++h) {
         const float* qh = q + h * dim;
         float s = 0.f;
@@ -65,9 +79,10 @@ struct GenericRows {
     }
   }
   static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
-                         int64_t dim, float* acc) {
+                         int64_t dim, float* acc, const T* ahead) {
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
+      if (ahead) prefetch_row(ahead + t * stride, dim);
       for (int h = 0; h < hb; ++h) {
         const float w = p[h * p_stride + t];
         float* ah = acc + h * dim;
@@ -101,9 +116,11 @@ struct VecRows {
   static constexpr int N = D > 0 ? D / 16 : 1;   // registers per row
   static constexpr int kHeads = N <= 4 ? 4 : 2;  // heads per pass: accumulators stay within 32 registers
   static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t, float* out,
-                     int64_t out_stride) {
+                     int64_t out_stride, const T* ahead) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
+      if (ahead)
+        for (int r = 0; r < 4; ++r) prefetch_row(ahead + (t + r) * stride, D);
       __m512 a[kHeads][4];
       for (int h = 0; h < kHeads; ++h)
         for (int r = 0; r < 4; ++r) a[h][r] = _mm512_setzero_ps();
@@ -123,6 +140,7 @@ struct VecRows {
     }
     for (; t < n; ++t) {
       const T* row = rows + t * stride;
+      if (ahead) prefetch_row(ahead + t * stride, D);
       for (int h = 0; h < hb; ++h) {
         __m512 a = _mm512_setzero_ps();
         for (int i = 0; i < N; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * i), load16(row + 16 * i), a);
@@ -131,12 +149,13 @@ struct VecRows {
     }
   }
   static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
-                         int64_t, float* acc) {
+                         int64_t, float* acc, const T* ahead) {
     __m512 av[kHeads][N];
     for (int h = 0; h < kHeads; ++h)
       for (int i = 0; i < N; ++i) av[h][i] = h < hb ? _mm512_loadu_ps(acc + h * D + 16 * i) : _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
+      if (ahead) prefetch_row(ahead + t * stride, D);
       __m512 x[N];
       for (int i = 0; i < N; ++i) x[i] = load16(row + 16 * i);
       for (int h = 0; h < kHeads; ++h) {
@@ -203,12 +222,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           const T* src = qp + tok * qs0 + (h * group + g) * qs1;
           for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
         }
-        for (int64_t start = 0; start < len; start += block_size) {
-          const T* block = kbase + table[start / block_size] * kb;
-          const int64_t rows = std::min(block_size, len - start);
+        const int64_t nblocks = (len + block_size - 1) / block_size;
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const int64_t start = b * block_size, rows = std::min(block_size, len - start);
+          const int64_t a = b + kPrefetchAhead;  // past the last K block: the first V blocks
+          const T* ahead = a < nblocks ? kbase + table[a] * kb : a < 2 * nblocks ? vbase + table[a - nblocks] * vb : nullptr;
           for (int64_t g = 0; g < group; g += R::kHeads)
-            R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)), block, kr, rows,
-                      dim, scores.data() + g * len + start, len);
+            R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
+                      kbase + table[b] * kb, kr, rows, dim, scores.data() + g * len + start, len,
+                      g == 0 ? ahead : nullptr);
         }
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * len;
@@ -224,12 +246,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           denom[g] = sum;
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t start = 0; start < len; start += block_size) {
-          const T* block = vbase + table[start / block_size] * vb;
-          const int64_t rows = std::min(block_size, len - start);
+        for (int64_t b = 0; b < nblocks; ++b) {
+          const int64_t start = b * block_size, rows = std::min(block_size, len - start);
+          const T* ahead = b + kPrefetchAhead < nblocks ? vbase + table[b + kPrefetchAhead] * vb : nullptr;
           for (int64_t g = 0; g < group; g += R::kHeads)
             R::accumulate(scores.data() + g * len + start, len, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
-                          block, vr, rows, dim, acc.data() + g * dim);
+                          vbase + table[b] * vb, vr, rows, dim, acc.data() + g * dim, g == 0 ? ahead : nullptr);
         }
         for (int64_t g = 0; g < group; ++g) {
           T* dst = op + tok * os0 + (h * group + g) * os1;
