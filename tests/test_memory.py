@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import pytest
@@ -15,12 +16,12 @@ from atom_core.memory import HUGE_PAGE, empty_resident  # noqa: E402
 PAGE = 4096
 
 
-def resident_fraction(t: torch.Tensor) -> float:
-    """Share of the tensor's pages the kernel has mapped (mincore), without touching them."""
+def resident_fraction(address: int, nbytes: int) -> float:
+    """Share of the range's pages the kernel has mapped (mincore), without touching them."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start = t.data_ptr() - t.data_ptr() % PAGE
-    length = t.data_ptr() + t.numel() * t.element_size() - start
+    start = address - address % PAGE
+    length = address + nbytes - start
     pages = -(-length // PAGE)
     vec = ctypes.create_string_buffer(pages)
     assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
@@ -35,10 +36,32 @@ def test_shape_dtype_and_writable(dtype):
     assert t.sum().item() == 1.5 * t.numel()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or memory._madvise() is None, reason="madvise is Linux-only")
-def test_pages_are_mapped_before_first_write():
-    fresh = torch.empty(((64 << 20) // 4,), dtype=torch.float32)
-    assert resident_fraction(fresh) < 0.5  # what torch.empty gives: mapped on first write
-    t = empty_resident(((64 << 20) // 4,), torch.float32, "cpu", wait=True)
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or memory._madvise() is None, reason="madvise is Linux-only"
+)
+
+
+@linux_only
+def test_populate_maps_a_fresh_mapping():
+    nbytes = 16 << 20
+    region = mmap.mmap(-1, nbytes)  # fresh anonymous memory: nothing mapped until written
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert resident_fraction(address, nbytes) < 0.5
+    assert memory._madvise()(address, nbytes, memory.MADV_POPULATE_WRITE) == 0, "kernel older than 5.14?"
+    assert resident_fraction(address, nbytes) == 1.0
+
+
+@linux_only
+def test_pool_is_populated_over_its_whole_range(monkeypatch):
+    real, calls = memory._madvise(), []
+
+    def spy(address: int, nbytes: int, advice: int) -> int:
+        calls.append((address, nbytes, advice, real(address, nbytes, advice)))
+        return calls[-1][-1]
+
+    monkeypatch.setattr(memory, "_madvise", lambda: spy)
+    t = empty_resident((3, 1 << 20), torch.float32, "cpu", wait=True)
+    nbytes = t.numel() * t.element_size()
     assert t.data_ptr() % HUGE_PAGE == 0
-    assert resident_fraction(t) == 1.0
+    assert (t.data_ptr(), nbytes, memory.MADV_POPULATE_WRITE, 0) in calls
+    assert resident_fraction(t.data_ptr(), nbytes) == 1.0
