@@ -52,6 +52,8 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # set when `gemm` takes a repacked copy
 
     def process_weights_after_loading(self) -> None:
+        if self.packed_weight is not None:
+            return  # already done: the plain weight is gone
         self.gemm, weight = pick_gemm(self.weight)
         if weight is not self.weight:
             self.packed_weight = weight
