@@ -36,3 +36,12 @@ def optional_token_id(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{attr.name} must be a token id (integer >= 0) or None, got {value!r}")
+
+
+def token_id_list(value: Any) -> list[int]:
+    """attrs converter for `stop_token_ids` (config and per request)."""
+    ids = list(value or [])
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
+    return ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from atom_core._validators import (
+    token_id_list,
     in_unit_interval,
     non_negative_float,
     non_negative_int,
@@ -18,14 +19,6 @@ def _block_size(inst: object, attr: attrs.Attribute, value: object) -> None:
     # "one token per page" layout that ATOM also allows.
     if not isinstance(value, int) or isinstance(value, bool) or not (value == 1 or (value > 0 and value % 16 == 0)):
         raise ValueError(f"{attr.name} must be a positive multiple of 16 or exactly 1, got {value!r}")
-
-
-def _token_id_list(value: object) -> list[int]:
-    ids = list(value or [])
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
-    return ids
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -65,7 +58,7 @@ class Config:
     max_model_len: int | None = attrs.field(default=None, validator=positive)
     bos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
     eos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
-    stop_token_ids: list[int] = attrs.field(factory=list, converter=_token_id_list)
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
     speculative_config: SpeculativeConfig | None = None
     # Per-request state groups for stateful attention (GDN); 0 = the model keeps none.
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)

@@ -146,6 +146,9 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer, and this model folder has none")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         return params
 
     def add_request(

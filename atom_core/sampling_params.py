@@ -6,6 +6,8 @@ import math
 
 import attrs
 
+from atom_core._validators import token_id_list
+
 
 def _temperature(inst: object, attr: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -50,6 +52,9 @@ class SamplingParams:
     max_tokens: int = attrs.field(default=64, validator=_max_tokens)
     ignore_eos: bool = False
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
+    # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
+    # ignore_eos or not: vLLM's per-request stop_token_ids.
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
     seed: int | None = attrs.field(default=None, validator=_seed)
 
     @property

@@ -348,7 +348,7 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        """The seed's order: stop sequences, EOS, stop token ids, max_tokens (then the context limit)."""
+        """The seed's order: stop sequences, EOS, stop token ids (model's, then request's), max_tokens (then the context limit)."""
         num_tokens = len(seq)
         num_completion = num_tokens - seq.num_prompt_tokens
         for stop in seq.stop_token_sequences:
@@ -361,6 +361,8 @@ class Scheduler:
                 return "eos"
             if token_id in self._stop_token_set:
                 return f"stop_{token_id}"
+        if token_id in seq.stop_token_ids:  # the request's own: ignore_eos does not lift them
+            return f"stop_{token_id}"
         if num_completion >= seq.max_tokens:
             return "max_tokens"
         if self.max_model_len is not None and num_tokens >= self.max_model_len:

@@ -71,6 +71,7 @@ class Sequence:
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.stop_strings = list(sampling_params.stop_strings)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_token_sequences = [list(s) for s in (stop_token_sequences or []) if s]
         self.stream_callback = stream_callback
         self.output_tokens: list[int] = []  # new tokens not yet streamed

@@ -70,6 +70,29 @@ def test_eos_and_stop_token_ids_end_requests_unless_ignore_eos(tiny):
     assert (r["finish_reason"], r["token_ids"]) == (f"stop_{eos}", expected[: first + 1])
 
 
+def test_per_request_stop_token_ids_end_only_that_request_even_with_ignore_eos(tiny):
+    expected = hf_greedy(tiny[1], PROMPTS[0], 12)
+    stop = expected[5]
+    first = expected.index(stop)
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128)
+    stopped, other = engine.generate(
+        [PROMPTS[0]] * 2,
+        [
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop]),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
+    assert (stopped["finish_reason"], stopped["token_ids"]) == (f"stop_{stop}", expected[: first + 1])
+    assert (other["finish_reason"], other["token_ids"]) == ("max_tokens", expected)
+    assert engine.scheduler.block_manager.num_free_blocks == 32
+    with pytest.raises(ValueError, match=f"stop_token_ids holds {engine.vocab_size}, outside the vocabulary"):
+        engine.add_request(PROMPTS[0], SamplingParams(stop_token_ids=[1, engine.vocab_size]))
+    with pytest.raises(ValueError, match="stop_token_ids must hold token ids"):
+        SamplingParams(stop_token_ids=[-1])
+    assert not engine.has_unfinished_requests()
+
+
 def test_max_model_len_ends_a_request(engine):
     prompt = list(range(1, 121))
     r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
