@@ -37,8 +37,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
         self.impl = (self.impl_cls or default_impl_cls(self.device))()
 
     def compute_block_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache_tensors(self, num_kv_heads, num_draft_layers):
         # One block past the pool stays zero: decode chunks pad with it (vLLM's null block).

@@ -31,10 +31,12 @@ def in_unit_interval(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attr.name} must be in (0, 1], got {value!r}")
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def optional_token_id(inst: Any, attr: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if value is not None and not _is_token_id(value):
         raise ValueError(f"{attr.name} must be a token id (integer >= 0) or None, got {value!r}")
 
 
@@ -42,6 +44,6 @@ def token_id_list(value: Any) -> list[int]:
     """attrs converter for `stop_token_ids` (config and per request)."""
     ids = list(value or [])
     for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+        if not _is_token_id(t):
             raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
     return ids

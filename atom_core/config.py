@@ -5,12 +5,12 @@ from __future__ import annotations
 import attrs
 
 from atom_core._validators import (
-    token_id_list,
     in_unit_interval,
     non_negative_float,
     non_negative_int,
     optional_token_id,
     positive,
+    token_id_list,
 )
 
 

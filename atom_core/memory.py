@@ -48,14 +48,14 @@ def empty_resident(
     madvise = _madvise()
     if device.type != "cpu" or madvise is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE  # huge pages need 2 MiB-aligned ranges
     address = raw.data_ptr() + start
     if nbytes:
         madvise(address, nbytes, MADV_HUGEPAGE)  # a hint: refused where THP is off
 
-        def populate(keep_alive: torch.Tensor = raw) -> None:
+        def populate(keep_alive: torch.Tensor = raw) -> None:  # the range stays mapped until done
             madvise(address, nbytes, MADV_POPULATE_WRITE)
 
         if wait:
