@@ -34,23 +34,41 @@ def chunk_size(nblocks: np.ndarray) -> int:
 class TorchPagedAttention:
     def prepare(self, meta: AttentionMetadata, block_size: int, null_block: int) -> None:
         """Add this kernel's per-step fields to `meta.extra` (once per step, for every layer)."""
+        self.prepare_common(meta, block_size)
         bs, dev = block_size, meta.slot_mapping.device
         slots = meta.slot_mapping
         meta.extra["slot_block"] = slots // bs
         meta.extra["slot_offset"] = slots % bs
         fresh = meta.slot_mapping_cpu[meta.positions_cpu % bs == 0] // bs  # blocks getting their first token
         meta.extra["fresh_blocks"] = torch.from_numpy(fresh).to(dev)
-        if meta.max_seqlen_q == 1 and meta.num_reqs > PER_REQUEST_DECODE_MAX:
-            meta.extra.update(decode_chunks(meta, bs, null_block))
+        # Decode rows lead the batch; with enough of them, they run chunked (the rest varlen).
+        q_lens = np.diff(meta.query_start_loc_cpu)
+        longer = np.flatnonzero(q_lens > 1)
+        num_decodes = int(longer[0]) if len(longer) else meta.num_reqs
+        if meta.padded_block_tables is None and num_decodes > PER_REQUEST_DECODE_MAX:
+            meta.extra.update(decode_chunks(meta, bs, null_block, num_decodes))
+            meta.extra["decode_reqs"] = num_decodes
+
+    def prepare_common(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Fields every kernel of this family needs: the rectangular layout's masks, when a policy pads."""
+        if meta.padded_block_tables is not None:
+            meta.extra.update(rectangular_masks(meta, block_size))
 
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         self.write_kv(layer, k, v, meta)
-        if "chunk_req" in meta.extra:
+        if meta.padded_block_tables is not None:
+            return self.rectangular(layer, q, meta)
+        nd = meta.extra.get("decode_reqs", 0)
+        if nd == 0:
+            return self.varlen(layer, q, k, v, meta)
+        if nd == meta.num_reqs:
             return self.decode(layer, q, meta)
-        return self.varlen(layer, q, k, v, meta)
+        out = torch.empty_like(q)
+        out[:nd] = self.decode(layer, q[:nd], meta)
+        return self.varlen(layer, q, k, v, meta, first_req=nd, out=out)
 
     @staticmethod
     def write_kv(layer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -65,12 +83,16 @@ class TorchPagedAttention:
         layer.k_cache[:, blk, off] = k.transpose(0, 1)
         layer.v_cache[:, blk, off] = v.transpose(0, 1)
 
-    def varlen(self, layer, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        """Any number of new tokens per request, attending to their cached prefix and to each other."""
-        out = torch.empty_like(q)
+    def varlen(self, layer, q, k, v, meta: AttentionMetadata, first_req: int = 0, out=None) -> torch.Tensor:
+        """Any number of new tokens per request, attending to their cached prefix and to each other.
+
+        Rows from `first_req` on; `out` holds the earlier rows' results when given.
+        """
+        if out is None:
+            out = torch.empty_like(q)
         cu, ctx = meta.query_start_loc_cpu, meta.context_lens_cpu
         bs = layer.k_cache.shape[2]
-        for i in range(meta.num_reqs):
+        for i in range(first_req, meta.num_reqs):
             s, e, L = int(cu[i]), int(cu[i + 1]), int(ctx[i])
             n = e - s
             # 4-D inputs: torch's fused CPU kernel takes those (3-D ones fall back to the slow math path).
@@ -90,6 +112,33 @@ class TorchPagedAttention:
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scale, enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
         return out
+
+    def rectangular(self, layer, q, meta: AttentionMetadata) -> torch.Tensor:
+        """sendnn-inference's padded layout, run as the hardware runs it.
+
+        Every row gathers the same `[width]` blocks (left padding blocks, then its own), its
+        queries are padded to the step's longest, and a mask hides the padding blocks, the
+        slots past each request's tkv and the future (causal). Padding slots are zeroed
+        after the gather: whatever they hold never reaches the output.
+        """
+        x = meta.extra
+        table = meta.padded_block_tables  # [R, W]
+        num_reqs, width = table.shape
+        kv_heads, _, bs, dim = layer.k_cache.shape
+        heads = q.shape[1]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            rows = cache.index_select(1, table.reshape(-1)).view(kv_heads, num_reqs, width * bs, dim)
+            return rows.transpose(0, 1).masked_fill_(x["rect_kv_pad"], 0.0)  # [R, kv_heads, W * bs, dim]
+
+        kr, vr = gather(layer.k_cache), gather(layer.v_cache)
+        tok_req, tok_idx = x["rect_tok_req"], x["rect_tok_idx"]
+        qp = q.new_zeros((num_reqs, meta.max_seqlen_q, heads, dim))
+        qp[tok_req, tok_idx] = q
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kr, vr, attn_mask=x["rect_mask"], scale=layer.scale, enable_gqa=True
+        )  # [R, heads, Qmax, dim]
+        return o.transpose(1, 2)[tok_req, tok_idx]
 
     def decode(self, layer, q, meta: AttentionMetadata) -> torch.Tensor:
         """One query per request, over chunks of a request's blocks, merged with a segmented softmax."""
@@ -123,9 +172,33 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.matmul(w.to(v.dtype), v).view(-1, dim)
 
 
-def decode_chunks(meta: AttentionMetadata, bs: int, null_block: int) -> dict[str, torch.Tensor]:
-    """Split each request's blocks into chunks of c blocks; padding stays under one chunk a request."""
-    ctx = meta.context_lens_cpu
+def rectangular_masks(meta: AttentionMetadata, bs: int) -> dict[str, torch.Tensor]:
+    """Masks for `rectangular`: key slot j of row r is real when left_pad * bs <= j < tkv,
+    and query token t (at padded position left_pad * bs + position) sees real keys up to itself."""
+    cu = meta.query_start_loc_cpu
+    num_reqs, width = meta.padded_block_tables.shape
+    q_lens = np.diff(cu)
+    tok_req = np.repeat(np.arange(num_reqs), q_lens)
+    tok_idx = np.arange(len(tok_req)) - cu[:-1][tok_req]
+    start = meta.left_pad_blocks_cpu * bs  # [R] first real slot
+    keys = np.arange(width * bs)
+    kv_real = (keys[None, :] >= start[:, None]) & (keys[None, :] < meta.tkvs_cpu[:, None])  # [R, W * bs]
+    qpos = start[tok_req] + meta.positions_cpu  # padded position of each query token
+    mask = np.zeros((num_reqs, meta.max_seqlen_q, width * bs), dtype=bool)
+    mask[tok_req, tok_idx] = kv_real[tok_req] & (keys[None, :] <= qpos[:, None])
+    mask[:, :, 0] |= ~mask.any(-1)  # query slots no token fills: any key, output discarded
+    dev = meta.slot_mapping.device
+    return {
+        "rect_tok_req": torch.from_numpy(tok_req).to(dev),
+        "rect_tok_idx": torch.from_numpy(tok_idx).to(dev),
+        "rect_kv_pad": torch.from_numpy(~kv_real)[:, None, :, None].to(dev),
+        "rect_mask": torch.from_numpy(mask)[:, None].to(dev),
+    }
+
+
+def decode_chunks(meta: AttentionMetadata, bs: int, null_block: int, num_reqs: int) -> dict[str, torch.Tensor]:
+    """Split each of the first `num_reqs` requests' blocks into chunks of c blocks; padding stays under one chunk a request."""
+    ctx = meta.context_lens_cpu[:num_reqs]
     nblocks = (ctx + bs - 1) // bs
     c = chunk_size(nblocks)
     nchunks = (nblocks + c - 1) // c
@@ -134,7 +207,7 @@ def decode_chunks(meta: AttentionMetadata, bs: int, null_block: int) -> dict[str
     np.cumsum(nchunks, out=first[1:])
     chunk_in_req = np.arange(len(req)) - first[:-1][req]
     block_idx = chunk_in_req[:, None] * c + np.arange(c)[None, :]  # [C, c] index into the request's table
-    table = meta.block_tables_cpu
+    table = meta.block_tables_cpu[:num_reqs]
     blocks = table[req[:, None], np.minimum(block_idx, table.shape[1] - 1)]
     # Past a request's last block: the null block. Those slots are masked, and zeros
     # times a zero weight stay zero.

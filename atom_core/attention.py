@@ -34,11 +34,12 @@ class KVCacheTensor:
 class AttentionMetadata:
     """What every paged-attention kernel needs for one step.
 
-    Tensors live on the model's device; the `*_cpu` numpy twins let kernels loop over
-    requests without a device sync.
+    Rows are requests in batch order: decode rows first, then prompt chunks, each with
+    its own query length (`query_start_loc`), so one step may mix both. Tensors live on
+    the model's device; the `*_cpu` numpy twins let kernels loop over requests without a
+    device sync.
     """
 
-    is_prefill: bool
     positions: torch.Tensor  # [num_tokens] position of each scheduled token
     slot_mapping: torch.Tensor  # [num_tokens] pool slot (block * block_size + offset) its KV goes to
     block_tables: torch.Tensor  # [num_reqs, max_blocks], padded with 0 past each request's blocks
@@ -52,6 +53,12 @@ class AttentionMetadata:
     context_lens_cpu: np.ndarray
     query_start_loc_cpu: np.ndarray
     block_tables_cpu: np.ndarray
+    # A padding policy's rectangular layout (spyre), None otherwise: every row's table is
+    # `left_pad_blocks` padding blocks, then its own blocks, all rows equally wide; a
+    # request's keys sit at padded positions [left_pad * block_size, tkv).
+    padded_block_tables: torch.Tensor | None = None
+    left_pad_blocks_cpu: np.ndarray | None = None
+    tkvs_cpu: np.ndarray | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)  # a builder's own per-step fields
 
     @property
@@ -109,10 +116,7 @@ class AttentionMetadataBuilder:
         """Slot mapping, block tables, lengths and offsets for `batch`."""
         bs = self.block_size
         num_q = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        spec = batch.scheduled_spec_decode_tokens
         ctx = np.asarray(batch.context_lens, dtype=np.int64)
-        if spec:
-            ctx = ctx + np.asarray([len(spec.get(r, ())) for r in batch.req_ids], dtype=np.int64)
         num_reqs = len(num_q)
         cu_q = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_q, out=cu_q[1:])
@@ -125,13 +129,18 @@ class AttentionMetadataBuilder:
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
         slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+        if batch.pad_block is not None:
+            # Cached positions a policy recomputes (spyre's boundary chunk) write to the padding
+            # block: shared blocks are never written, and attention reads the cached copies.
+            cached = np.asarray(batch.num_cached_tokens, dtype=np.int64)[req_of_token]
+            redirect = positions < cached
+            slot_mapping[redirect] = batch.pad_block * bs + positions[redirect] % bs
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
-        return AttentionMetadata(
-            is_prefill=batch.is_prefill,
+        meta = AttentionMetadata(
             positions=t(positions),
             slot_mapping=t(slot_mapping),
             block_tables=t(block_tables),
@@ -146,3 +155,15 @@ class AttentionMetadataBuilder:
             query_start_loc_cpu=cu_q,
             block_tables_cpu=block_tables,
         )
+        if batch.left_pad_blocks is not None:
+            pads = np.asarray(batch.left_pad_blocks, dtype=np.int64)
+            nblocks = -(-ctx // bs)
+            width = int((pads + nblocks).max())
+            pad_block = batch.pad_block if batch.pad_block is not None else 0
+            padded = np.full((num_reqs, width), pad_block, dtype=np.int64)
+            for i in range(num_reqs):
+                padded[i, pads[i] : pads[i] + nblocks[i]] = block_tables[i, : nblocks[i]]
+            meta.padded_block_tables = t(padded)
+            meta.left_pad_blocks_cpu = pads
+            meta.tkvs_cpu = np.asarray(batch.tkvs, dtype=np.int64)
+        return meta

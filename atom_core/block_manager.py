@@ -53,6 +53,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(self.num_blocks))
         self.used_block_ids: set[int] = set()
+        self.reserved_block_ids: set[int] = set()
         self.enable_prefix_caching = config.enable_prefix_caching
         self.num_per_req_cache_groups = config.num_per_req_cache_groups
         self.per_req_cache_free_groups: deque[int] = deque(range(self.num_per_req_cache_groups))
@@ -105,49 +106,77 @@ class BlockManager:
 
     # -- allocation ----------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def _allocation_end(self, seq: Sequence, num_new_tokens: int | None, start: int | None) -> tuple[int, int]:
+        """(first position this step computes, positions the table must cover) for a new request."""
+        cached = self.num_prefix_cached_tokens(seq)
+        first = cached if start is None else start
+        if num_new_tokens is None:
+            return first, seq.num_tokens
+        return first, max(cached, first + num_new_tokens)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, start: int | None = None) -> bool:
+        """Whether `allocate(seq, num_new_tokens, start)` would succeed now.
+
+        `num_new_tokens=None` asks for the whole prompt; a chunked prefill asks for its
+        first chunk only and grows with `try_append`.
+        """
         hits = self._prefix_hits(seq)
         shared = sum(1 for b in hits if b in self.used_block_ids)  # cost no free block
-        if len(self.free_block_ids) < seq.num_blocks - shared:
+        _, end = self._allocation_end(seq, num_new_tokens, start)
+        if len(self.free_block_ids) < -(-end // self.block_size) - shared:
             return False
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             return len(self.per_req_cache_free_groups) > 0
         return True
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, start: int | None = None) -> None:
+        """Give a waiting request its cached prefix plus fresh blocks for its first `num_new_tokens`.
+
+        The request computes from `start` (default: the end of its cached prefix);
+        `num_computed_tokens` moves past the tokens this step will write, as `try_append` does.
+        A policy may recompute cached positions (`start` below the hit); their KV writes
+        must then go elsewhere (see `ScheduledBatch.pad_block`), since shared blocks are
+        never written.
+        """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.id} already holds blocks {seq.block_table}")
-        if not self.can_allocate(seq):
+        if not self.can_allocate(seq, num_new_tokens, start):
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.id}; call can_allocate first")
         hits = self._prefix_hits(seq)
-        h = -1
-        for i in range(seq.num_blocks):
-            token_ids = seq.block(i)
-            if self.enable_prefix_caching and len(token_ids) == self.block_size:
-                h = self.compute_hash(token_ids, h)
+        first, end = self._allocation_end(seq, num_new_tokens, start)
+        table = seq.block_table
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block_id in self.used_block_ids:
+                block.ref_count += 1
             else:
-                h = -1
-            if i < len(hits):
-                block_id = hits[i]
-                block = self.blocks[block_id]
-                if block_id in self.used_block_ids:
-                    block.ref_count += 1
-                else:
-                    self.free_block_ids.remove(block_id)  # revive: contents are still valid
-                    block.ref_count = 1
-                    self.used_block_ids.add(block_id)
-                seq.num_cached_tokens += self.block_size
-            else:
-                block_id = self._take_free_block()
-                block = self.blocks[block_id]
-            if h != -1:
-                block.update(h, token_ids)
-                self.hash_to_block_id[h] = block_id
-            seq.block_table.append(block_id)
+                self.free_block_ids.remove(block_id)  # revive: contents are still valid
+                block.ref_count = 1
+                self.used_block_ids.add(block_id)
+            table.append(block_id)
+        for _ in range(-(-end // self.block_size) - len(hits)):
+            table.append(self._take_free_block())
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = end if num_new_tokens is None else first + num_new_tokens
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(seq, min(end, seq.num_tokens) // self.block_size)
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             group = self.per_req_cache_free_groups.popleft()
             self.per_req_cache_used_groups.add(group)
             seq.per_req_cache_group = group
+        self._version += 1
+
+    def reserve(self, block_id: int) -> None:
+        """Take a block out of the pool for good (a policy's padding block): never handed to a request."""
+        if block_id not in self.free_block_ids:
+            raise RuntimeError(f"block {block_id} is in use and cannot be reserved")
+        self.free_block_ids.remove(block_id)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = -1, []
+        self.num_blocks -= 1
+        self.reserved_block_ids.add(block_id)
         self._version += 1
 
     def _take_free_block(self) -> int:
@@ -170,6 +199,7 @@ class BlockManager:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
         seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         seq.block_table.clear()
         if seq.per_req_cache_group != -1:
             self.per_req_cache_used_groups.remove(seq.per_req_cache_group)
@@ -177,11 +207,11 @@ class BlockManager:
             seq.per_req_cache_group = -1
         self._version += 1
 
-    # -- decode growth -------------------------------------------------------------
+    # -- growth: the next prefill chunk, or decode ------------------------------------
 
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        # This step writes KV for positions [len(seq) - 1, len(seq) - 1 + num_new_tokens).
-        return (len(seq) + num_new_tokens - 2) // self.block_size + 1 - len(seq.block_table)
+        # This step writes KV for positions [num_computed, num_computed + num_new_tokens).
+        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
@@ -191,23 +221,31 @@ class BlockManager:
             raise RuntimeError(f"not enough free KV blocks to extend sequence {seq.id}; call can_append first")
 
     def try_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        """`may_append` if `can_append`, in one pass: the scheduler's hot path."""
+        """`may_append` if `can_append`, in one pass: the scheduler's hot path.
+
+        On success `num_computed_tokens` moves past the `num_new_tokens` this step writes.
+        Blocks this step fills are published to the prefix cache now: a request later
+        in the same step may share them (every KV write of a step lands before any read).
+        """
         table = seq.block_table
-        missing = self._num_missing_blocks(seq, num_new_tokens)
+        end = seq.num_computed_tokens + num_new_tokens
+        missing = -(-end // self.block_size) - len(table)
         if missing > 0:
             if missing > len(self.free_block_ids):
                 return False
             for _ in range(missing):
                 table.append(self._take_free_block())
         if self.enable_prefix_caching:
-            num_full = len(seq) // self.block_size
+            # Drafts are not tokens of the sequence yet: only known tokens are published.
+            num_full = min(end, seq.num_tokens) // self.block_size
             if num_full and self.blocks[table[num_full - 1]].hash == -1:
                 self._hash_full_blocks(seq, num_full)
+        seq.num_computed_tokens = end
         self._version += 1
         return True
 
     def _hash_full_blocks(self, seq: Sequence, num_full: int) -> None:
-        """Publish every block that decoding has filled, chaining from the last hashed one."""
+        """Publish blocks [.., num_full) that this step fills, chaining from the last hashed one."""
         table = seq.block_table
         first = num_full
         while first > 0 and self.blocks[table[first - 1]].hash == -1:

@@ -38,6 +38,18 @@ class SpeculativeConfig:
     num_speculative_tokens: int = attrs.field(default=1, validator=positive)
 
 
+def _speculative_config(value: object) -> SpeculativeConfig | None:
+    """A plain dict is accepted as well, as vLLM does."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in attrs.fields(SpeculativeConfig)})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))}")
+        return SpeculativeConfig(**value)
+    if value is not None and not isinstance(value, SpeculativeConfig):
+        raise ValueError(f"speculative_config must be a SpeculativeConfig, a dict or None, got {value!r}")
+    return value
+
+
 @attrs.define(kw_only=True)
 class Config:
     """Everything the scheduler, block manager, model runner and engine read.
@@ -59,7 +71,7 @@ class Config:
     bos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
     eos_token_id: int | None = attrs.field(default=None, validator=optional_token_id)
     stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=_speculative_config)
     # Per-request state groups for stateful attention (GDN); 0 = the model keeps none.
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
     # How many KV blocks one group's bytes are worth, for sizing the pool.
@@ -72,8 +84,36 @@ class Config:
     # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.
     kv_cache_memory: int | None = attrs.field(default=None, validator=positive)
     sampler: str = "default"
+    # -- scheduling policy (a name from the "scheduler_policies" registry) --
+    scheduling_policy: str = attrs.field(default="mixed", validator=attrs.validators.instance_of(str))
+    # Split a prompt longer than what is left of a step's token budget across steps.
+    enable_chunked_prefill: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # Cap on one request's prefill chunk per step; 0 = no cap.
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=non_negative_int)
+    # `spyre`: tokens per prefill chunk (a multiple of kv_cache_block_size); None =
+    # max_num_batched_tokens floored to a block multiple.
+    prefill_chunk_size: int | None = attrs.field(default=None, validator=positive)
+    # `spyre`: no two prefill steps in a row while any request is decoding.
+    interleave_prefill_decode: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # `spyre`: ceiling on batch_size x max tkv at every decode step (the hardware's KV volume).
+    max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
+
+    def __attrs_post_init__(self) -> None:
+        bs = self.kv_cache_block_size
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size % bs:
+            raise ValueError(
+                f"prefill_chunk_size must be a multiple of kv_cache_block_size={bs}, got {self.prefill_chunk_size}"
+            )
+
+    @property
+    def chunk_size(self) -> int:
+        """`prefill_chunk_size`, or the token budget floored to whole blocks (at least one block)."""
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        bs = self.kv_cache_block_size
+        return max(bs, self.max_num_batched_tokens // bs * bs)
 
     @property
     def num_speculative_tokens(self) -> int:

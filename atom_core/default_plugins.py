@@ -6,3 +6,10 @@ from atom_core.hookspecs import hookimpl
 @hookimpl
 def atom_register_samplers(registry):
     registry.register("default", "atom_core.sampler:Sampler")
+
+
+@hookimpl
+def atom_register_scheduler_policies(registry):
+    registry.register("prefill_first", "atom_core.policies.prefill_first:PrefillFirstPolicy")
+    registry.register("mixed", "atom_core.policies.mixed:MixedPolicy")
+    registry.register("spyre", "atom_core.policies.spyre:SpyrePolicy")

@@ -31,3 +31,9 @@ def atom_register_samplers(registry):
 @hookspec
 def atom_register_proposers(registry):
     """Register speculative-decoding proposers by method name ("eagle", "mtp", "ngram", ...)."""
+
+
+@hookspec
+def atom_register_scheduler_policies(registry):
+    """Register scheduling policies (`atom_core.policy.SchedulingPolicy` subclasses) by name,
+    picked with `Config.scheduling_policy` ("prefill_first", "mixed", "spyre", ...)."""

@@ -183,11 +183,10 @@ class LLMEngine:
             batch, seqs = scheduled
             output = self.runner.forward(batch, seqs)
             t1 = time.perf_counter()
-            if batch.is_prefill:
-                for rid in batch.req_ids:
-                    req = self._requests[rid]
-                    if req.num_cached_tokens is None:
-                        req.num_cached_tokens = seqs[rid].num_cached_tokens
+            for rid, cached in zip(batch.req_ids, batch.num_cached_tokens):
+                req = self._requests[rid]
+                if req.num_cached_tokens is None:  # its first step: the prefix it found cached
+                    req.num_cached_tokens = cached
             self.scheduler.postprocess(seqs, output)
             for seq in seqs.values():
                 if seq.stop_strings and not seq.is_finished and self._hit_stop_string(seq):

@@ -172,7 +172,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
-        """Run one scheduled batch; sample one token for each request."""
+        """Run one scheduled batch (decode rows and prompt chunks alike); sample where a request reaches its end."""
         t0 = time.perf_counter()
         metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
         meta = next(iter(metas.values()))
@@ -180,23 +180,33 @@ class ModelRunner:
         set_forward_context(
             attn_metadata_by_type=metas,
             atom_config=self.config,
-            context=Context(positions=meta.positions, is_prefill=batch.is_prefill, batch_size=meta.num_reqs),
+            context=Context(
+                positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
+            ),
         )
+        sampled = [i for i, s in enumerate(batch.do_sample) if s]
+        sample_ids = [batch.req_ids[i] for i in sampled]
         t1 = time.perf_counter()
         try:
             hidden = self.model(input_ids, meta.positions)
-            # Only each request's last token samples; the lm_head never sees the rest.
-            last = torch.from_numpy(meta.query_start_loc_cpu[1:] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last]).float()
+            # Only the last token of a request that reaches its end samples; middle chunks
+            # and every other position never reach the lm_head.
+            logits = None
+            if sampled:
+                last = torch.from_numpy(meta.query_start_loc_cpu[1:][sampled] - 1).to(self.device)
+                logits = self.model.compute_logits(hidden[last]).float()
         finally:
             reset_forward_context()
         t2 = time.perf_counter()
-        tokens = self.sampler(logits, SamplingMetadata.from_seqs(seqs.values())).tolist()
+        tokens = []
+        if sampled:
+            tokens = self.sampler(logits, SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)).tolist()
         t3 = time.perf_counter()
         timings = self.timings
         timings["prepare"] += t1 - t0
         timings["forward"] += t2 - t1
         timings["sample"] += t3 - t2
         # The step's logits, a row per request of `last_req_ids`: for parity checks and debugging.
-        self.last_req_ids, self.last_logits = batch.req_ids, logits
-        return ScheduledBatchOutput({rid: (tok,) for rid, tok in zip(batch.req_ids, tokens)})
+        self.last_req_ids = sample_ids
+        self.last_logits = logits if logits is not None else torch.empty((0, 0))
+        return ScheduledBatchOutput({rid: (tok,) for rid, tok in zip(sample_ids, tokens)})

@@ -23,6 +23,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "attention_builders": ("atom_register_attention_builders", "attention type"),
     "samplers": ("atom_register_samplers", "sampler"),
     "proposers": ("atom_register_proposers", "proposer"),
+    "scheduler_policies": ("atom_register_scheduler_policies", "scheduling policy"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

@@ -1,10 +1,10 @@
-"""Prefill-first continuous batching over the block manager.
+"""Continuous batching over the block manager; a pluggable policy decides each step's rows.
 
-Each `schedule()` returns either a prefill batch (new or preempted requests) or a
-decode batch (every running request, one token each plus any speculative drafts),
-never a mix. Admission is FIFO: when the head of the waiting queue cannot get blocks
-now, nothing behind it jumps the queue and the step decodes instead, so a long
-request is never starved by a stream of short ones.
+The `Scheduler` owns the queues, the block manager, preemption, stop conditions,
+streaming and statistics. What runs in a step (prefill-first, mixed prefill and decode,
+sendnn-inference's padded steps, or a third party's) is the `SchedulingPolicy` named by
+`Config.scheduling_policy` (see `atom_core.policy`). Admission is FIFO in every built-in
+policy: when the head of the waiting queue cannot start, nothing behind it jumps ahead.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from atom_core.block_manager import BlockManager
 from atom_core.config import Config
+from atom_core.policy import SchedulingPolicy, StepBuilder
 from atom_core.request import RequestOutput
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 
@@ -24,7 +25,14 @@ logger = logging.getLogger("atom")
 
 
 class ScheduledBatch:
-    """A snapshot of one step's work, in batch order, for the model runner."""
+    """A snapshot of one step's work for the model runner: decode rows first, then prefill chunks.
+
+    Per request, in batch order: `num_scheduled_tokens` (its query length),
+    `num_computed_tokens` (the first position it computes), `context_lens` (tokens in
+    its KV once the step has written) and `do_sample` (whether its tokens reach the end
+    of the sequence: a middle prompt chunk samples nothing). A padding policy (spyre)
+    also fills `left_pad_blocks`, `tkvs` and `pad_block`; other policies leave them None.
+    """
 
     def __init__(
         self,
@@ -39,32 +47,44 @@ class ScheduledBatch:
         is_dummy_run: bool = False,
         num_spec_step: int = 0,
         scheduled_spec_decode_tokens: dict[int, list[int]] | None = None,
+        *,
+        num_computed_tokens: list[int] | None = None,
+        left_pad_blocks: list[int] | None = None,
+        tkvs: list[int] | None = None,
+        pad_block: int | None = None,
     ):
         values = list(seqs.values())
         self.req_ids = list(seqs.keys())
         self.num_scheduled_tokens = list(num_scheduled_tokens)
+        spec = self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
+        if num_computed_tokens is None:  # a hand-built batch: each request runs up to its end
+            num_computed_tokens = [
+                len(s) - n + len(spec.get(s.id, ())) for s, n in zip(values, self.num_scheduled_tokens)
+            ]
+        self.num_computed_tokens = list(num_computed_tokens)
         self.num_cached_tokens = [s.num_cached_tokens for s in values]
-        self.context_lens = [len(s) for s in values]
+        self.context_lens = [f + n for f, n in zip(self.num_computed_tokens, self.num_scheduled_tokens)]
         # The sequences' own tables, as ATOM passes them: valid until the next schedule().
-        self.block_tables = [s.block_table for s in values if s.block_table]
+        self.block_tables = [s.block_table for s in values]
         self.last_block_num_tokens = [s.last_block_num_tokens for s in values]
         self.temperatures = [s.temperature for s in values]
         self.top_ks = [s.top_k for s in values]
         self.top_ps = [s.top_p for s in values]
         self.per_req_cache_groups = [s.per_req_cache_group for s in values if s.has_per_req_cache]
-        spec = self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
-        # The tokens whose KV this step writes, flattened in batch order: the uncached
-        # prompt tail for a prefill, the last token plus its drafts for a decode.
-        if not spec and len(values) == len(self.num_scheduled_tokens) == total_tokens_num:
-            self.scheduled_tokens = [s.last_token for s in values]  # plain decode
-        else:
-            tokens: list[int] = []
-            for s, n in zip(values, self.num_scheduled_tokens):
-                drafts = spec.get(s.id, ())
-                end = len(s)
-                tokens.extend(s.token_ids[end - (n - len(drafts)) : end])
+        # The tokens whose KV this step writes, flattened in batch order, and which requests sample.
+        tokens: list[int] = []
+        do_sample: list[bool] = []
+        for s, n, first in zip(values, self.num_scheduled_tokens, self.num_computed_tokens):
+            drafts = spec.get(s.id, ())
+            end = first + n - len(drafts)
+            if n == 1 and end == s.num_tokens:
+                tokens.append(s.last_token)
+            else:
+                tokens.extend(s.token_ids[first:end])
                 tokens.extend(drafts)
-            self.scheduled_tokens = tokens
+            do_sample.append(end >= s.num_tokens)
+        self.scheduled_tokens = tokens
+        self.do_sample = do_sample
         self.total_tokens_num = total_tokens_num
         self.total_tokens_num_prefill = total_tokens_num_prefill
         self.total_tokens_num_decode = total_tokens_num_decode
@@ -73,14 +93,15 @@ class ScheduledBatch:
         self.total_seqs_num_decode = total_seqs_num_decode
         self.is_dummy_run = is_dummy_run
         self.num_spec_step = num_spec_step
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.total_seqs_num_prefill > 0
+        self.left_pad_blocks = left_pad_blocks
+        self.tkvs = tkvs
+        self.pad_block = pad_block
 
     def __repr__(self) -> str:
-        kind = "prefill" if self.is_prefill else "decode"
-        return f"ScheduledBatch({kind}, req_ids={self.req_ids}, num_scheduled_tokens={self.num_scheduled_tokens})"
+        return (
+            f"ScheduledBatch(decode={self.total_seqs_num_decode}, prefill={self.total_seqs_num_prefill}, "
+            f"req_ids={self.req_ids}, num_scheduled_tokens={self.num_scheduled_tokens})"
+        )
 
 
 class ScheduledBatchOutput:
@@ -93,7 +114,8 @@ class ScheduledBatchOutput:
 
 
 class Scheduler:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, pm: Any = None):
+        self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -115,6 +137,11 @@ class Scheduler:
         self.total_accepted_tokens = 0
         self._finished_outside_step: list[Sequence] = []
         self._queued: dict[int, Sequence] = {}  # every waiting or running request, by id
+        from atom_core.plugins import get_registry
+
+        self.policy: SchedulingPolicy = get_registry("scheduler_policies", pm).get(config.scheduling_policy)(config)
+        for block_id in self.policy.reserved_blocks:
+            self.block_manager.reserve(block_id)
 
     # -- queue management ----------------------------------------------------------
 
@@ -176,7 +203,7 @@ class Scheduler:
             )
         if seq.has_per_req_cache and bm.num_per_req_cache_groups == 0:
             return "unschedulable: the request needs a per-request cache group and num_per_req_cache_groups is 0"
-        return None
+        return self.policy.unschedulable_reason(seq)
 
     # -- scheduling ----------------------------------------------------------------
 
@@ -184,14 +211,28 @@ class Scheduler:
         """The next step's batch, or None when no request is left to run."""
         if not self.waiting and not self.running:
             return None
-        now = time.perf_counter()
-        scheduled = self._schedule_prefill(now)
-        if scheduled is None:
-            scheduled = self._schedule_decode()
-        if scheduled is None:
-            # Decoding preempted every running request; their blocks are free again.
-            scheduled = self._schedule_prefill(now)
-        return scheduled
+        step = StepBuilder(self)
+        self.policy.schedule(step)
+        if step.is_empty:
+            if self.waiting or self.running:
+                raise RuntimeError(
+                    f"scheduling policy {self.config.scheduling_policy!r} scheduled nothing with "
+                    f"{len(self.waiting)} waiting and {len(self.running)} running requests"
+                )
+            return None  # every waiting request turned out unschedulable
+        return self._build_batch(step)
+
+    def _waiting_head(self) -> Sequence | None:
+        """The first waiting request that can ever run; the others finish as unschedulable."""
+        waiting = self.waiting
+        while waiting:
+            seq = waiting[0]
+            reason = self._unschedulable_reason(seq)  # a preempted request may have outgrown the pool
+            if reason is None:
+                return seq
+            waiting.popleft()
+            self._finish_outside_step(seq, reason)
+        return None
 
     def _passed_delay(self, now: float) -> bool:
         if self.prev_prompt:
@@ -202,95 +243,42 @@ class Scheduler:
             return (now - earliest_arrival_time) > self.delay_factor * self.last_prompt_latency or not self.running
         return True
 
-    def _schedule_prefill(self, now: float) -> tuple[ScheduledBatch, dict[int, Sequence]] | None:
-        if not self.waiting or not self._passed_delay(now):
-            return None
-        bm = self.block_manager
-        seqs: dict[int, Sequence] = {}
-        num_tokens: list[int] = []
-        num_batched = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            reason = self._unschedulable_reason(seq)  # a preempted request may have outgrown the pool
-            if reason is not None:
-                self.waiting.popleft()
-                self._finish_outside_step(seq, reason)
-                continue
-            if not bm.can_allocate(seq):
-                break
-            num_new = seq.num_tokens - bm.num_prefix_cached_tokens(seq)
-            # Over the token budget waits for the next step, unless it is first: a prompt
-            # longer than the whole budget then runs alone.
-            if seqs and num_batched + num_new > self.max_num_batched_tokens:
-                break
-            bm.allocate(seq)
-            seq.status = SequenceStatus.RUNNING
-            seq.type = SequenceType.PREFILL
-            self.waiting.popleft()
-            self.running.append(seq)
-            seqs[seq.id] = seq
-            num_tokens.append(num_new)
-            num_batched += num_new
-            if num_batched >= self.max_num_batched_tokens:
-                break
-        if not seqs:
-            return None
-        self.prev_prompt = True
+    def _build_batch(self, step: StepBuilder) -> tuple[ScheduledBatch, dict[int, Sequence]]:
+        decode = SequenceType.DECODE
+        rows = step.rows
+        decode_rows = [r for r in rows if r[0].type is decode]
+        prefill_rows = [r for r in rows if r[0].type is not decode] if len(decode_rows) < len(rows) else []
+        rows = decode_rows + prefill_rows
+        seqs = {s.id: s for s, _, _ in rows}
+        num_tokens = [n for _, n, _ in rows]
+        firsts = [f for _, _, f in rows]
+        spec = {s.id: list(s.spec_token_ids) for s, _, _ in decode_rows if s.spec_token_ids} if self.use_spec else {}
+        num_decode = sum(num_tokens[: len(decode_rows)])
+        total = sum(num_tokens)
+        pads, tkvs = step.left_pad_blocks, step.tkvs
         batch = ScheduledBatch(
             seqs,
             num_tokens,
-            num_batched,
-            total_tokens_num_prefill=num_batched,
-            total_seqs_num=len(seqs),
-            total_seqs_num_prefill=len(seqs),
+            total,
+            total_tokens_num_prefill=total - num_decode,
+            total_tokens_num_decode=num_decode,
+            total_seqs_num=len(rows),
+            total_seqs_num_prefill=len(prefill_rows),
+            total_seqs_num_decode=len(decode_rows),
+            num_spec_step=self.mtp_k if decode_rows else 0,
+            scheduled_spec_decode_tokens=spec,
+            num_computed_tokens=firsts,
+            left_pad_blocks=[pads[i] for i in seqs] if pads is not None else None,
+            tkvs=[tkvs[i] for i in seqs] if tkvs is not None else None,
+            pad_block=step.pad_block,
         )
-        return batch, seqs
-
-    def _schedule_decode(self) -> tuple[ScheduledBatch, dict[int, Sequence]] | None:
-        bm = self.block_manager
-        running = self.running
-        num_new = self.mtp_k + 1
-        max_seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
-        seqs: dict[int, Sequence] = {}
-        num_tokens: list[int] = []
-        spec_tokens: dict[int, list[int]] = {}
-        num_batched = 0
-        while running and len(seqs) < max_seqs:
-            if seqs and num_batched + num_new > budget:
-                break
-            seq = running.popleft()
-            while not bm.try_append(seq, num_new):
-                if running:
-                    self.preempt(running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
-                seq.type = SequenceType.DECODE
-                n = 1
-                if seq.spec_token_ids:
-                    spec_tokens[seq.id] = list(seq.spec_token_ids)
-                    n += len(seq.spec_token_ids)
-                seqs[seq.id] = seq
-                num_tokens.append(n)
-                num_batched += n
-        running.extendleft(reversed(seqs.values()))
-        if not seqs:
-            return None
-        batch = ScheduledBatch(
-            seqs,
-            num_tokens,
-            num_batched,
-            total_tokens_num_decode=num_batched,
-            total_seqs_num=len(seqs),
-            total_seqs_num_decode=len(seqs),
-            num_spec_step=self.mtp_k,
-            scheduled_spec_decode_tokens=spec_tokens,
-        )
+        if prefill_rows:
+            self.prev_prompt = True
         return batch, seqs
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of a running request's blocks; it re-prefills from the queue's front."""
+        self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.spec_token_ids = []
         self.block_manager.deallocate(seq)
@@ -314,7 +302,9 @@ class Scheduler:
         for seq in seqs:
             token_ids = fwd_output.token_ids.get(seq.id)
             if token_ids is None or seq.status != SequenceStatus.RUNNING:
-                continue  # aborted or preempted since it was scheduled
+                continue  # a middle prompt chunk, or aborted or preempted since it was scheduled
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a middle chunk samples nothing, whatever the runner sent
             if self.use_spec and seq.type == SequenceType.DECODE and seq.id in drafts:
                 self.update_spec_stats(len(token_ids))
             reason = None
@@ -325,6 +315,8 @@ class Scheduler:
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
                     break  # tokens accepted after a stop are dropped
+            seq.type = SequenceType.DECODE
+            seq.num_computed_tokens = seq.num_tokens - 1  # all but the token just sampled (drafts rejected)
             if reason is None and seq.id in drafts:
                 seq.spec_token_ids = list(drafts[seq.id])
             if reason is not None:

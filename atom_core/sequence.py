@@ -57,12 +57,16 @@ class Sequence:
         self.id = id if id is not None else next(Sequence.counter)
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
+        # PREFILL from admission until its first sampled token (however many chunks), then DECODE.
         self.type = SequenceType.DUMMY
         self.token_ids = token_ids
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # prefix served by shared KV blocks
+        # Positions whose KV is written (or scheduled to be this step): a prompt being
+        # prefilled in chunks has num_computed_tokens < num_tokens - 1.
+        self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature

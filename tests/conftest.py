@@ -19,8 +19,15 @@ def make_seq(n: int | list[int], block_size: int = 16, start: int = 0, **params)
 
 
 def make_scheduler(**config) -> Scheduler:
+    """ATOM's scheduler by default (prefill-first, no chunking); tests of other policies say so."""
     config.setdefault("num_kvcache_blocks", 64)
+    config.setdefault("scheduling_policy", "prefill_first")
+    config.setdefault("enable_chunked_prefill", False)
     return Scheduler(Config(**config))
+
+
+def is_prefill(batch) -> bool:
+    return batch.total_seqs_num_prefill > 0
 
 
 @pytest.fixture

@@ -43,7 +43,9 @@ def batch(context_lens, tables, num_new):
         context_lens=list(context_lens),
         num_cached_tokens=[0] * len(context_lens),
         block_tables=tables,
-        is_prefill=max(num_new) > 1,
+        pad_block=None,
+        left_pad_blocks=None,
+        tkvs=None,
     )
 
 

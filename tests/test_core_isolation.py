@@ -28,10 +28,17 @@ def test_no_core_module_imports_a_plugin_package():
 def test_importing_the_core_loads_no_plugin_and_no_torch():
     code = (
         "import sys, atom_core\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'atom_models', 'atom_attention', 'atom_spec', 'torch', 'transformers'}))\n"
         "from atom_core import Config, Scheduler\n"
         "Scheduler(Config(num_kvcache_blocks=4))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'atom_models', 'atom_attention', 'atom_spec', 'torch', 'transformers'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    after_import, after_scheduler = out.stdout.strip().splitlines()
+    assert after_import == "[]"
+    # A Scheduler looks its policy up in the registry, which reads the plugins' hook
+    # modules; the plugins' models and kernels, and torch, stay unloaded.
+    loaded = eval(after_scheduler)
+    assert all(m.endswith(".plugin") or m in PLUGIN_PACKAGES for m in loaded), loaded

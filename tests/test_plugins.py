@@ -32,6 +32,10 @@ class InProcessPlugin:
     def atom_register_proposers(self, registry):
         registry.register("noop", Constant)
 
+    @hookimpl
+    def atom_register_scheduler_policies(self, registry):
+        registry.register("noop", Constant)
+
 
 class Constant:
     pass

@@ -13,7 +13,7 @@ from atom_core import (
     SequenceType,
     SpeculativeConfig,
 )
-from conftest import make_scheduler, make_seq
+from conftest import is_prefill, make_scheduler, make_seq
 
 
 def step(sched: Scheduler, token: int | dict = 1, q=None):
@@ -37,7 +37,7 @@ def test_prefill_batch_contents():
     sched.add(b)
     batch, seqs = sched.schedule()
     assert list(seqs) == [a.id, b.id] and seqs[a.id] is a
-    assert batch.is_prefill
+    assert is_prefill(batch)
     assert batch.req_ids == [a.id, b.id]
     assert batch.num_scheduled_tokens == [20, 5]
     assert batch.total_tokens_num == 25 and batch.total_tokens_num_prefill == 25
@@ -63,7 +63,7 @@ def test_decode_follows_prefill():
     sched.add(b)
     step(sched, 7)
     batch, _ = step(sched, 8)
-    assert not batch.is_prefill
+    assert not is_prefill(batch)
     assert batch.num_scheduled_tokens == [1, 1]
     assert batch.scheduled_tokens == [7, 7]  # the last sampled token of each
     assert batch.context_lens == [17, 4]
@@ -81,9 +81,9 @@ def test_prefill_first_new_arrival_preempts_nothing_but_goes_first():
     b = make_seq(6, start=10)
     sched.add(b)
     batch, _ = step(sched)
-    assert batch.is_prefill and batch.req_ids == [b.id]  # no decode mixed in
+    assert is_prefill(batch) and batch.req_ids == [b.id]  # no decode mixed in
     batch, _ = step(sched)
-    assert not batch.is_prefill and batch.req_ids == [a.id, b.id]
+    assert not is_prefill(batch) and batch.req_ids == [a.id, b.id]
 
 
 def test_token_budget_splits_prefills_across_steps():
@@ -94,7 +94,7 @@ def test_token_budget_splits_prefills_across_steps():
     batch, _ = step(sched)
     assert batch.req_ids == [seqs[0].id, seqs[1].id] and batch.total_tokens_num == 60
     batch, _ = step(sched)
-    assert batch.is_prefill and batch.req_ids == [seqs[2].id]
+    assert is_prefill(batch) and batch.req_ids == [seqs[2].id]
 
 
 def test_prompt_longer_than_budget_runs_alone():
@@ -116,10 +116,10 @@ def test_max_num_seqs_caps_the_running_set():
     batch, _ = step(sched)
     assert batch.req_ids == [seqs[0].id, seqs[1].id]
     batch, finished = step(sched)  # the third may not join while two run
-    assert not batch.is_prefill and batch.req_ids == [seqs[0].id, seqs[1].id]
+    assert not is_prefill(batch) and batch.req_ids == [seqs[0].id, seqs[1].id]
     assert finished == seqs[:2]
     batch, _ = step(sched)
-    assert batch.is_prefill and batch.req_ids == [seqs[2].id]
+    assert is_prefill(batch) and batch.req_ids == [seqs[2].id]
 
 
 def test_fifo_admission_decodes_when_the_head_cannot_get_blocks():
@@ -132,7 +132,7 @@ def test_fifo_admission_decodes_when_the_head_cannot_get_blocks():
     sched.add(small)
     batch, _ = step(sched)
     # small would fit, but admission is FIFO: the step decodes instead.
-    assert not batch.is_prefill and batch.req_ids == [a.id]
+    assert not is_prefill(batch) and batch.req_ids == [a.id]
     assert list(sched.waiting) == [big, small]
 
 
@@ -153,11 +153,11 @@ def test_decode_preempts_the_last_running_request():
     assert len(a.block_table) == 2 and len(sched.block_manager.free_block_ids) == 1
     # b needs 2 blocks for its 17 tokens, only 1 is free: a decodes alone.
     batch, _ = step(sched)
-    assert not batch.is_prefill and batch.req_ids == [a.id]
+    assert not is_prefill(batch) and batch.req_ids == [a.id]
     sched.abort(a.id)
     # A preempted request re-prefills its prompt plus what it generated.
     batch, _ = step(sched)
-    assert batch.is_prefill and batch.req_ids == [b.id] and batch.num_scheduled_tokens == [17]
+    assert is_prefill(batch) and batch.req_ids == [b.id] and batch.num_scheduled_tokens == [17]
     assert list(sched.waiting) == [c]
 
 
@@ -374,10 +374,10 @@ def test_delay_factor_holds_prefills_while_decoding():
     b = make_seq(4, start=50)
     sched.add(b)
     batch, _ = step(sched)
-    assert not batch.is_prefill  # b has not waited delay_factor * latency yet
+    assert not is_prefill(batch)  # b has not waited delay_factor * latency yet
     b.arrive_time -= 2000.0
     batch, _ = step(sched)
-    assert batch.is_prefill and batch.req_ids == [b.id]
+    assert is_prefill(batch) and batch.req_ids == [b.id]
 
 
 def test_speculative_decode_reserves_slots_and_counts_acceptance():
@@ -410,20 +410,20 @@ def test_what_schedule_returns_for_each_queue_state():
     sched.add(a)
     assert sched.has_unfinished_requests() and sched.get_num_unfinished_requests() == 1
     batch, seqs = sched.schedule()  # waiting only: prefill
-    assert batch.is_prefill and list(seqs) == [a.id]
+    assert is_prefill(batch) and list(seqs) == [a.id]
     sched.postprocess(seqs, ScheduledBatchOutput({a.id: (1,)}))
     batch, seqs = sched.schedule()  # running only: decode
-    assert not batch.is_prefill and list(seqs) == [a.id]
+    assert not is_prefill(batch) and list(seqs) == [a.id]
     sched.postprocess(seqs, ScheduledBatchOutput({a.id: (1,)}))
     b = make_seq(8, start=100)
     sched.add(b)
     batch, seqs = sched.schedule()  # both, and the head fits: prefill only
-    assert batch.is_prefill and list(seqs) == [b.id]
+    assert is_prefill(batch) and list(seqs) == [b.id]
     sched.postprocess(seqs, ScheduledBatchOutput({b.id: (1,)}))
     c = make_seq(40, start=200)  # 3 blocks, 1 free
     sched.add(c)
     batch, seqs = sched.schedule()  # both, and the head does not fit: decode
-    assert not batch.is_prefill and list(seqs) == [a.id, b.id]
+    assert not is_prefill(batch) and list(seqs) == [a.id, b.id]
     assert sched.get_num_unfinished_requests() == 3
 
 

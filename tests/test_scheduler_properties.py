@@ -37,6 +37,9 @@ configs = st.fixed_dictionaries(
         "groups": st.integers(0, 3),
         "k": st.sampled_from([0, 0, 1, 2]),
         "max_model_len": st.one_of(st.none(), st.integers(20, 200)),
+        "policy": st.sampled_from(["prefill_first", "mixed", "spyre"]),
+        "chunked": st.booleans(),
+        "threshold": st.sampled_from([0, 0, 16, 32]),
     }
 )
 # One operation: (roll, seed, prefix, suffix, max_tokens, ignore_eos, per_req). The roll
@@ -69,10 +72,16 @@ class Harness:
     def __init__(self, cfg: dict):
         self.bs = cfg["block_size"]
         num_blocks = cfg["num_blocks"] * (16 if self.bs == 1 else 1)
-        spec = SpeculativeConfig(num_speculative_tokens=cfg["k"]) if cfg["k"] else None
-        self.k = cfg["k"]
+        policy = cfg.get("policy", "prefill_first")
+        k = 0 if policy == "spyre" else cfg["k"]  # spyre refuses speculative decoding
+        spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+        self.k = k
+        self.chunked = cfg.get("chunked", False) or policy == "spyre"
         self.sched = Scheduler(
             Config(
+                scheduling_policy=policy,
+                enable_chunked_prefill=cfg.get("chunked", False),
+                long_prefill_token_threshold=cfg.get("threshold", 0) if self.bs > 1 else 0,
                 num_kvcache_blocks=num_blocks,
                 kv_cache_block_size=self.bs,
                 enable_prefix_caching=cfg["enable_prefix_caching"],
@@ -116,6 +125,8 @@ class Harness:
         self.check_batch(batch, seqs)
         tokens, drafts = {}, {}
         for sid, seq in seqs.items():
+            if not batch.do_sample[batch.req_ids.index(sid)]:
+                continue  # a middle prompt chunk samples nothing
             proposed = batch.scheduled_spec_decode_tokens.get(sid, [])
             accepted = proposed[: rng.randint(0, len(proposed))]
             tokens[sid] = tuple(accepted) + (rng.choice(VOCAB),)
@@ -135,26 +146,33 @@ class Harness:
         """Write every scheduled token into the shadow cache, then read every context back."""
         streams = {}
         written = []
-        for sid, n in zip(batch.req_ids, batch.num_scheduled_tokens):
+        decode_rows = batch.total_seqs_num_decode
+        for row, (sid, n, first) in enumerate(zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)):
             seq = seqs[sid]
-            stream = seq.token_ids + batch.scheduled_spec_decode_tokens.get(sid, [])
+            drafts = batch.scheduled_spec_decode_tokens.get(sid, [])
+            stream = seq.token_ids + drafts
             hashes = prefix_hashes(stream)
-            streams[sid] = (seq, stream, hashes)
-            assert len(seq.block_table) * self.bs >= len(stream), "KV slots missing"
-            for p in range(len(stream) - n, len(stream)):
-                self.shadow[(seq.block_table[p // self.bs], p % self.bs)] = hashes[p]
+            end = first + n
+            assert end <= len(stream) and batch.context_lens[row] == end
+            assert batch.do_sample[row] == (end - len(drafts) == seq.num_tokens)
+            assert (row < decode_rows) == (n == 1 + len(drafts) and end - len(drafts) == seq.num_tokens and
+                                           seq.type.name == "DECODE")
+            streams[sid] = (seq, stream[:end], hashes)
+            assert len(seq.block_table) * self.bs >= end, "KV slots missing"
+            for p in range(first, end):
+                if p >= batch.num_cached_tokens[row]:  # a recomputed cached position writes elsewhere
+                    self.shadow[(seq.block_table[p // self.bs], p % self.bs)] = hashes[p]
                 written.append(stream[p])
+            if seq.type.name == "PREFILL":  # prompt chunks respect the chunk rule
+                assert first % self.bs == 0 or first == batch.num_cached_tokens[row] or not self.chunked
         assert batch.scheduled_tokens == written
+        assert sum(batch.num_scheduled_tokens) == batch.total_tokens_num
         for sid, (seq, stream, hashes) in streams.items():
             for p in range(len(stream)):
                 assert self.shadow.get((seq.block_table[p // self.bs], p % self.bs)) == hashes[p], (
                     f"request {sid} reads a wrong KV entry at position {p}"
                 )
-        if batch.is_prefill:
-            for sid, n, cached in zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_cached_tokens):
-                seq = seqs[sid]
-                assert cached % self.bs == 0 and cached <= seq.num_tokens - 1
-                assert n == seq.num_tokens - cached
+        assert all(b not in self.sched.block_manager.reserved_block_ids for s in seqs.values() for b in s.block_table)
 
     def check_pool(self) -> None:
         sched, bm = self.sched, self.sched.block_manager
@@ -164,15 +182,18 @@ class Harness:
         free = set(bm.free_block_ids)
         assert len(free) == len(bm.free_block_ids), "a block is twice in the free list"
         assert free.isdisjoint(bm.used_block_ids)
-        assert len(free) + len(bm.used_block_ids) == len(bm.blocks)
+        assert len(free) + len(bm.used_block_ids) + len(bm.reserved_block_ids) == len(bm.blocks)
+        assert bm.reserved_block_ids.isdisjoint(free | bm.used_block_ids)
         assert bm.used_block_ids == set(holders)
         for h, block_id in bm.hash_to_block_id.items():
             assert bm.blocks[block_id].hash == h
         for seq in sched.running:
             assert seq.status == SequenceStatus.RUNNING
-            # KV exists for every token but the last sampled one (plus its reserved drafts).
-            needed = -(-(seq.num_tokens - 1) // self.bs)
-            assert needed <= len(seq.block_table) <= -(-(seq.num_tokens - 1 + self.k) // self.bs)
+            # KV exists for every computed token (plus reserved drafts); a prompt may be partway.
+            computed = seq.num_computed_tokens
+            assert computed <= seq.num_tokens - 1 or seq.type.name == "PREFILL"
+            upper = max(computed + self.k, seq.num_cached_tokens)
+            assert -(-computed // self.bs) <= len(seq.block_table) <= -(-upper // self.bs)
             for i, block_id in enumerate(seq.block_table):
                 block = bm.blocks[block_id]
                 if block.hash != -1:
@@ -189,7 +210,7 @@ class Harness:
 
     def check_whole(self) -> None:
         bm = self.sched.block_manager
-        assert sorted(bm.free_block_ids) == list(range(len(bm.blocks)))
+        assert sorted(bm.free_block_ids) == sorted(set(range(len(bm.blocks))) - bm.reserved_block_ids)
         assert bm.used_block_ids == set()
         assert all(b.ref_count == 0 for b in bm.blocks)
         assert sorted(bm.per_req_cache_free_groups) == list(range(bm.num_per_req_cache_groups))

@@ -1,0 +1,1 @@
+"""The built-in scheduling policies, each in a file named after it; registered in `default_plugins`."""
