@@ -102,6 +102,12 @@ class Config:
 
     def __attrs_post_init__(self) -> None:
         bs = self.kv_cache_block_size
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < bs:
+            # Chunks are floored to whole blocks: a cap under one block would never advance a prompt.
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (no cap) or at least kv_cache_block_size={bs}, got {threshold}"
+            )
         if self.prefill_chunk_size is not None and self.prefill_chunk_size % bs:
             raise ValueError(
                 f"prefill_chunk_size must be a multiple of kv_cache_block_size={bs}, got {self.prefill_chunk_size}"

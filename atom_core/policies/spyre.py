@@ -150,19 +150,29 @@ class SpyrePolicy(SchedulingPolicy):
         """Room in the decode batch, max_model_len and the volumetric limit, once `seq` joins."""
         if len(decoding) >= self.max_num_seqs:
             return False
+        rows = self._last_tkvs(seq, decoding)
+        if self.max_model_len is not None and any(t > self.max_model_len for t, _ in rows):
+            return False
+        return batch_tkv_volume([t + slack for t, slack in rows]) <= self.limit
+
+    def projected_tkvs(self, seq: Sequence, decoding: list[Sequence]) -> list[int]:
+        """What the volumetric check walks: each request's last tkv once `seq` joins, a
+        decoding request's plus one block for a padding realignment, in finishing order."""
+        return sorted(t + slack for t, slack in self._last_tkvs(seq, decoding))
+
+    def _last_tkvs(self, seq: Sequence, decoding: list[Sequence]) -> list[tuple[int, int]]:
+        """(tkv at its last decode step, slack) per request, after `seq` realigns the batch.
+
+        At the next decode step a decoding request computes its last token, the new one
+        the token its last chunk samples; the rectangle is as wide as the widest of them.
+        """
         bs = self.block_size
-        # At the next decode step each request computes one position: a decoding request
-        # its last token, the new one the token its last chunk samples.
         rows = [(s.num_tokens - 1, self.remaining(s), bs) for s in decoding]
         new_remaining = self.remaining(seq, seq.num_tokens + 1, seq.num_completion_tokens + 1)
         if new_remaining > 0:
             rows.append((seq.num_tokens, new_remaining, 0))
         if not rows:
-            return True
+            return []
         nblocks = [-(-(c + 1) // bs) for c, _, _ in rows]
         width = max(nblocks)
-        last_tkvs = [(width - nb) * bs + c + 1 + r - 1 for (c, r, _), nb in zip(rows, nblocks)]
-        if self.max_model_len is not None and max(last_tkvs) > self.max_model_len:
-            return False
-        projected = [t + slack for t, (_, _, slack) in zip(last_tkvs, rows)]
-        return batch_tkv_volume(projected) <= self.limit
+        return [((width - nb) * bs + c + r, slack) for (c, r, slack), nb in zip(rows, nblocks)]
