@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from atom_core import SamplingParams
+
 ARCHS = {
     "llama": dict(
         cls="LlamaForCausalLM",
@@ -35,6 +37,9 @@ ARCHS = {
         kwargs=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
     ),
 }
+
+
+NEW_TOKENS = 24
 
 
 def build_tiny_model(name: str, folder: Path, seed: int = 0):
@@ -79,3 +84,32 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits at every position of `tokens` (teacher forcing)."""
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def random_prompts(lengths, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_with_logits(engine, prompts, max_tokens=NEW_TOKENS):
+    """Step the engine by hand, keeping every request's logits at every step."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    logits = {i: [] for i in ids}
+    results = {}
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            results[r["request_id"]] = r
+        for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
+            logits[rid].append(row.clone())
+    return [results[i] for i in ids], [torch.stack(logits[i]) for i in ids]
+
+
+def check_against_hf(model, prompts, results, logits):
+    for prompt, result, steps in zip(prompts, results, logits):
+        expected = hf_greedy(model, prompt, len(result["token_ids"]))
+        assert result["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+        # Teacher-forced: the logits that produced each generated token.
+        ref = hf_logits(model, prompt + result["token_ids"][:-1])[len(prompt) - 1 :]
+        assert steps.shape == ref.shape
+        torch.testing.assert_close(steps, ref, atol=1e-4, rtol=0)

@@ -35,7 +35,7 @@ def make_builder(dtype, impl_cls=TorchPagedAttention):
     return builder, layer
 
 
-def batch(context_lens, tables, num_new):
+def batch(context_lens, tables, num_new, **padding):
     return SimpleNamespace(
         req_ids=list(range(len(context_lens))),
         num_scheduled_tokens=list(num_new),
@@ -43,9 +43,9 @@ def batch(context_lens, tables, num_new):
         context_lens=list(context_lens),
         num_cached_tokens=[0] * len(context_lens),
         block_tables=tables,
-        pad_block=None,
-        left_pad_blocks=None,
-        tkvs=None,
+        pad_block=padding.get("pad_block"),
+        left_pad_blocks=padding.get("left_pad_blocks"),
+        tkvs=padding.get("tkvs"),
     )
 
 
@@ -59,9 +59,9 @@ def random_tables(context_lens, gen, num_blocks=NUM_BLOCKS):
     return tables
 
 
-def run_step(builder, layer, context_lens, tables, num_new, gen):
-    """Write `num_new` tokens per request through the kernel; returns (q, output)."""
-    meta = builder.build(batch(context_lens, tables, num_new))
+def run_step(builder, layer, context_lens, tables, num_new, gen, **padding):
+    """Write `num_new` tokens per request through the kernel; returns (meta, q, output)."""
+    meta = builder.build(batch(context_lens, tables, num_new, **padding))
     total = sum(num_new)
     q = torch.randn(total, HEADS, DIM, generator=gen).to(builder.dtype)
     k = torch.randn(total, KV_HEADS, DIM, generator=gen).to(builder.dtype)
@@ -162,3 +162,63 @@ def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group):
     ref = reference(k_cache.float(), v_cache.float(), dim**-0.5, q.float(), tables, context_lens)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_of_decode_rows_and_prompt_chunks_matches_reference(dtype, impl_cls):
+    """Decode rows first, then prompt chunks over a cached prefix, in one forward (the `mixed` policy)."""
+    gen = torch.Generator().manual_seed(11)
+    builder, layer = make_builder(dtype, impl_cls)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    builder.kv_cache[:, :, :, :NUM_BLOCKS].fill_(float("nan"))
+    context_lens = [9, 30, 17, 64, 5, 100, 70, 130]
+    num_new = [1, 1, 1, 1, 1, 1, 38, 50]  # six decodes, then two chunks (the second one ends mid-block)
+    tables = random_tables(context_lens, gen)
+    cached = [L - n for L, n in zip(context_lens, num_new)]
+    run_step(builder, layer, cached, tables, cached, gen)
+    meta, q, out = run_step(builder, layer, context_lens, tables, num_new, gen)
+    if impl_cls is TorchPagedAttention:
+        assert meta.extra["decode_reqs"] == 6  # the decode rows run chunked, the chunks varlen
+    else:
+        assert meta.extra["kernel_reqs"] == 6
+    s = 0
+    for table, L, n in zip(tables, context_lens, num_new):
+        for j in sorted({0, n // 2, n - 1}):
+            ref = reference(layer.k_cache, layer.v_cache, layer.scale, q[s + j : s + j + 1], [table], [L - n + j + 1])
+            torch.testing.assert_close(out[s + j : s + j + 1], ref, atol=tol, rtol=tol)
+        s += n
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+def test_rectangular_padded_layout_gives_the_unpadded_output(impl_cls):
+    """spyre's layout: rows left-padded with whole padding blocks to one width, masked;
+    the output must equal the plain layout's for decode rows and for a prompt chunk."""
+    gen = torch.Generator().manual_seed(12)
+    builder, layer = make_builder(torch.float32, impl_cls)
+    builder.kv_cache[:, :, :, :NUM_BLOCKS].fill_(float("nan"))  # the padding block (0) too
+    context_lens = [5, 33, 20, 48]
+    tables = random_tables(context_lens, gen, NUM_BLOCKS - 1)
+    tables = [[b + 1 for b in t] for t in tables]  # block 0 is the padding block
+    run_step(builder, layer, [L - 1 for L in context_lens], tables, [L - 1 for L in context_lens], gen)
+    q = torch.randn(4, HEADS, DIM, generator=gen)
+    k = torch.randn(4, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(4, KV_HEADS, DIM, generator=gen)
+    plain = layer.impl.forward(layer, q, k, v, builder.build(batch(context_lens, tables, [1] * 4)))
+    width = max(-(-L // BS) for L in context_lens)
+    pads = [width - -(-L // BS) for L in context_lens]
+    tkvs = [p * BS + L for p, L in zip(pads, context_lens)]
+    meta = builder.build(batch(context_lens, tables, [1] * 4, pad_block=0, left_pad_blocks=pads, tkvs=tkvs))
+    assert meta.padded_block_tables.shape == (4, width)
+    assert meta.padded_block_tables[0, : pads[0]].tolist() == [0] * pads[0]
+    padded = layer.impl.forward(layer, q, k, v, meta)
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    # A prompt chunk, left-padded by 3 blocks: 20 new tokens after 28 computed ones.
+    table = tables[3]
+    chunk = builder.build(batch([48], [table], [20]))
+    qc = torch.randn(20, HEADS, DIM, generator=gen)
+    kc = torch.randn(20, KV_HEADS, DIM, generator=gen)
+    vc = torch.randn(20, KV_HEADS, DIM, generator=gen)
+    plain = layer.impl.forward(layer, qc, kc, vc, chunk)
+    meta = builder.build(batch([48], [table], [20], pad_block=0, left_pad_blocks=[3], tkvs=[3 * BS + 48]))
+    torch.testing.assert_close(layer.impl.forward(layer, qc, kc, vc, meta), plain, atol=1e-5, rtol=1e-5)

@@ -8,45 +8,24 @@ torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
-from model_utils import ARCHS, build_tiny_model, hf_greedy, hf_logits  # noqa: E402
+from model_utils import (  # noqa: E402
+    ARCHS,
+    NEW_TOKENS,
+    build_tiny_model,
+    check_against_hf,
+    hf_greedy,
+    hf_logits,
+    random_prompts,
+    run_with_logits,
+)
 
 PROMPT_LENS = (1, 15, 16, 17, 40)  # around the 16-token block edges
-NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     return folder, build_tiny_model(request.param, folder)
-
-
-def random_prompts(lengths, seed=1, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def run_with_logits(engine: LLMEngine, prompts, max_tokens=NEW_TOKENS):
-    """Step the engine by hand, keeping every request's logits at every step."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    logits = {i: [] for i in ids}
-    results = {}
-    while engine.has_unfinished_requests():
-        for r in engine.step():
-            results[r["request_id"]] = r
-        for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
-            logits[rid].append(row.clone())
-    return [results[i] for i in ids], [torch.stack(logits[i]) for i in ids]
-
-
-def check_against_hf(model, prompts, results, logits):
-    for prompt, result, steps in zip(prompts, results, logits):
-        expected = hf_greedy(model, prompt, len(result["token_ids"]))
-        assert result["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
-        # Teacher-forced: the logits that produced each generated token.
-        ref = hf_logits(model, prompt + result["token_ids"][:-1])[len(prompt) - 1 :]
-        assert steps.shape == ref.shape
-        torch.testing.assert_close(steps, ref, atol=1e-4, rtol=0)
 
 
 def test_batch_of_mixed_lengths_matches_transformers(tiny):

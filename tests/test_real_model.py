@@ -38,15 +38,40 @@ def hf_model():
     ).eval()
 
 
-def test_batched_greedy_tokens_equal_transformers_from_the_gguf(engine, prompts, hf_model):
-    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    for prompt, result in zip(prompts, results):
+@pytest.fixture(scope="module")
+def hf_greedy_32(prompts, hf_model):
+    out = []
+    for prompt in prompts:
         ids = torch.tensor([prompt])
-        expected = hf_model.generate(
+        out.append(hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt) :].tolist()
-        assert result["token_ids"] == expected
+        )[0, len(prompt) :].tolist())
+    return out
+
+
+def test_batched_greedy_tokens_equal_transformers_from_the_gguf(engine, prompts, hf_greedy_32):
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert [r["token_ids"] for r in results] == hf_greedy_32
     assert "Paris" in results[0]["text"]
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "mixed", "spyre"])
+def test_every_policy_gives_the_same_greedy_tokens(prompts, hf_greedy_32, policy):
+    """A 32-token budget chunks every chat prompt; `mixed` adds later prompts' chunks to
+    earlier ones' decode steps, `spyre` pads every step."""
+    engine = LLMEngine(
+        fetch_default_model(quiet=True), dtype="float32", max_model_len=512, scheduling_policy=policy,
+        max_num_batched_tokens=32, enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ids = []
+    for prompt in prompts:  # staggered arrivals
+        ids.append(engine.add_request(prompt, params))
+        engine.step()
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update((r["request_id"], r) for r in engine.step())
+    assert [results[i]["token_ids"] for i in ids] == hf_greedy_32
 
 
 def test_chat_answers_and_stops_at_eos(engine):
