@@ -237,7 +237,7 @@ class BlockManager:
                 table.append(self._take_free_block())
         if self.enable_prefix_caching:
             # Drafts are not tokens of the sequence yet: only known tokens are published.
-            num_full = min(end, seq.num_tokens) // self.block_size
+            num_full = min(end, seq._num_tokens) // self.block_size
             if num_full and self.blocks[table[num_full - 1]].hash == -1:
                 self._hash_full_blocks(seq, num_full)
         seq.num_computed_tokens = end

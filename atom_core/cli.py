@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
 
     fetch = sub.add_parser("fetch", help="install the default model (SmolLM2-135M-Instruct) into the cache")
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"generate": _generate, "fetch": _fetch, "plugins": _plugins}[args.command](args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"atom: error: {e}", file=sys.stderr)
         return 2
 
@@ -64,8 +66,9 @@ def _generate(args: argparse.Namespace) -> int:
     from atom_core.sampling_params import SamplingParams
 
     options: dict[str, Any] = {"dtype": args.dtype}
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "scheduling_policy", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     engine = LLMEngine(args.model, **options)
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed

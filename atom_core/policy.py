@@ -50,7 +50,11 @@ class StepBuilder:
         self._chunked = cfg.enable_chunked_prefill
         self._threshold = cfg.long_prefill_token_threshold
         self._max_seqs = cfg.max_num_seqs
-        self.rows: list[tuple[Sequence, int, int]] = []  # (seq, tokens, first position)
+        # The rows so far, as parallel lists: request, tokens, first position computed.
+        self.seqs: list[Sequence] = []
+        self.num_tokens: list[int] = []
+        self.firsts: list[int] = []
+        self.num_prefill_rows = 0
         self._scheduled: set[int] = set()
         self.num_preempted = 0
         self._delay_passed: bool | None = None
@@ -63,7 +67,7 @@ class StepBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not self.rows
+        return not self.seqs
 
     @property
     def num_running(self) -> int:
@@ -129,7 +133,7 @@ class StepBuilder:
             return 0
         if seq.type is SequenceType.DECODE:  # the last token and its drafts, never split
             n = 1 + len(seq.spec_token_ids)
-            if self.rows and n > self.budget:
+            if self.seqs and n > self.budget:
                 return 0
         else:
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -148,6 +152,29 @@ class StepBuilder:
         self._add(seq, n, first)
         return n
 
+    def schedule_all(self, seqs: list[Sequence]) -> None:
+        """`schedule(seq)` for each of `seqs`, in order: the hot path of every decode step."""
+        sched = self._sched
+        try_append = sched.block_manager.try_append
+        rows, scheduled = self.seqs, self._scheduled
+        num_tokens, firsts = self.num_tokens, self.firsts
+        running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
+        for seq in seqs:
+            if seq.type is not decode or seq.spec_token_ids:
+                self.schedule(seq)  # prompt chunks and drafts take the general path
+                continue
+            if seq.status is not running or seq.id in scheduled or (rows and self.budget < 1):
+                continue
+            first = seq.num_computed_tokens
+            if not try_append(seq, 1):
+                self.schedule(seq)  # no block: the general path preempts
+                continue
+            rows.append(seq)
+            num_tokens.append(1)
+            firsts.append(first)
+            scheduled.add(seq.id)
+            self.budget -= 1
+
     def admit(self, seq: Sequence | None = None, num_tokens: int | None = None, start: int | None = None) -> int:
         """Move a waiting request (default: the head of the queue) to running with its first chunk.
 
@@ -164,7 +191,7 @@ class StepBuilder:
             return 0
         if seq is None or len(sched.running) >= self._max_seqs:
             return 0
-        if self.num_preempted and self.rows:
+        if self.num_preempted and self.seqs:
             return 0  # what was just preempted must not come straight back
         if self._delay_passed is None:
             self._delay_passed = sched._passed_delay(time.perf_counter())
@@ -188,7 +215,11 @@ class StepBuilder:
         return n
 
     def _add(self, seq: Sequence, n: int, first: int) -> None:
-        self.rows.append((seq, n, first))
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.firsts.append(first)
+        if seq.type is not SequenceType.DECODE:
+            self.num_prefill_rows += 1
         self._scheduled.add(seq.id)
         self.budget = max(0, self.budget - n)
 

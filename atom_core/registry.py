@@ -54,7 +54,7 @@ class Registry:
         if entry is None:
             known = ", ".join(sorted(self._entries)) or "none"
             message = (
-                f"unknown {self.kind} {name!r}. Known {self.kind}s: {known}. "
+                f"unknown {self.kind} {name!r}. Known {_plural(self.kind)}: {known}. "
                 f"A plugin package provides more: install one that implements the "
                 f"'{self.hook_name}' hook under the 'atom' entry-point group"
             )
@@ -110,3 +110,7 @@ def _describe(target: Any) -> str:
     if isinstance(target, str):
         return target
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+
+
+def _plural(noun: str) -> str:
+    return noun[:-1] + "ies" if noun.endswith("y") else noun + "s"

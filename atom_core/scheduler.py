@@ -55,36 +55,31 @@ class ScheduledBatch:
     ):
         values = list(seqs.values())
         self.req_ids = list(seqs.keys())
-        self.num_scheduled_tokens = list(num_scheduled_tokens)
+        self.num_scheduled_tokens = num_scheduled_tokens
         spec = self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
         if num_computed_tokens is None:  # a hand-built batch: each request runs up to its end
             num_computed_tokens = [
-                len(s) - n + len(spec.get(s.id, ())) for s, n in zip(values, self.num_scheduled_tokens)
+                len(s) - n + len(spec.get(s.id, ())) for s, n in zip(values, num_scheduled_tokens)
             ]
-        self.num_computed_tokens = list(num_computed_tokens)
+        self.num_computed_tokens = num_computed_tokens
         self.num_cached_tokens = [s.num_cached_tokens for s in values]
-        self.context_lens = [f + n for f, n in zip(self.num_computed_tokens, self.num_scheduled_tokens)]
+        if total_tokens_num == len(values):  # one token a request
+            self.context_lens = [f + 1 for f in num_computed_tokens]
+        else:
+            self.context_lens = [f + n for f, n in zip(num_computed_tokens, num_scheduled_tokens)]
         # The sequences' own tables, as ATOM passes them: valid until the next schedule().
         self.block_tables = [s.block_table for s in values]
-        self.last_block_num_tokens = [s.last_block_num_tokens for s in values]
+        self._seqs = values
         self.temperatures = [s.temperature for s in values]
         self.top_ks = [s.top_k for s in values]
         self.top_ps = [s.top_p for s in values]
         self.per_req_cache_groups = [s.per_req_cache_group for s in values if s.has_per_req_cache]
-        # The tokens whose KV this step writes, flattened in batch order, and which requests sample.
-        tokens: list[int] = []
-        do_sample: list[bool] = []
-        for s, n, first in zip(values, self.num_scheduled_tokens, self.num_computed_tokens):
-            drafts = spec.get(s.id, ())
-            end = first + n - len(drafts)
-            if n == 1 and end == s.num_tokens:
-                tokens.append(s.last_token)
-            else:
-                tokens.extend(s.token_ids[first:end])
-                tokens.extend(drafts)
-            do_sample.append(end >= s.num_tokens)
-        self.scheduled_tokens = tokens
-        self.do_sample = do_sample
+        if not spec and total_seqs_num_decode == len(values) and total_tokens_num == len(values):
+            # A plain decode step: each request's last token, every one sampling.
+            self.scheduled_tokens = [s.last_token for s in values]
+            self.do_sample = [True] * len(values)
+        else:
+            self._flatten(values)
         self.total_tokens_num = total_tokens_num
         self.total_tokens_num_prefill = total_tokens_num_prefill
         self.total_tokens_num_decode = total_tokens_num_decode
@@ -96,6 +91,25 @@ class ScheduledBatch:
         self.left_pad_blocks = left_pad_blocks
         self.tkvs = tkvs
         self.pad_block = pad_block
+
+    @property
+    def last_block_num_tokens(self) -> list[int]:
+        """Tokens in each request's last block (ATOM's field; computed when asked)."""
+        return [s.last_block_num_tokens for s in self._seqs]
+
+    def _flatten(self, values: list[Sequence]) -> None:
+        """The tokens whose KV this step writes, in batch order, and which requests sample."""
+        spec = self.scheduled_spec_decode_tokens
+        tokens: list[int] = []
+        do_sample: list[bool] = []
+        for s, n, first in zip(values, self.num_scheduled_tokens, self.num_computed_tokens):
+            drafts = spec.get(s.id, ())
+            end = first + n - len(drafts)
+            tokens.extend(s.token_ids[first:end])
+            tokens.extend(drafts)
+            do_sample.append(end >= s.num_tokens)
+        self.scheduled_tokens = tokens
+        self.do_sample = do_sample
 
     def __repr__(self) -> str:
         return (
@@ -244,35 +258,38 @@ class Scheduler:
         return True
 
     def _build_batch(self, step: StepBuilder) -> tuple[ScheduledBatch, dict[int, Sequence]]:
-        decode = SequenceType.DECODE
-        rows = step.rows
-        decode_rows = [r for r in rows if r[0].type is decode]
-        prefill_rows = [r for r in rows if r[0].type is not decode] if len(decode_rows) < len(rows) else []
-        rows = decode_rows + prefill_rows
-        seqs = {s.id: s for s, _, _ in rows}
-        num_tokens = [n for _, n, _ in rows]
-        firsts = [f for _, _, f in rows]
-        spec = {s.id: list(s.spec_token_ids) for s, _, _ in decode_rows if s.spec_token_ids} if self.use_spec else {}
-        num_decode = sum(num_tokens[: len(decode_rows)])
+        rows, num_tokens, firsts = step.seqs, step.num_tokens, step.firsts
+        num_prefill = step.num_prefill_rows
+        num_decode = len(rows) - num_prefill
+        if num_prefill and num_decode:  # decode rows first, each kind in the order it was scheduled
+            decode = SequenceType.DECODE
+            kinds = [s.type is decode for s in rows]
+            order = [i for i, k in enumerate(kinds) if k] + [i for i, k in enumerate(kinds) if not k]
+            rows = [rows[i] for i in order]
+            num_tokens = [num_tokens[i] for i in order]
+            firsts = [firsts[i] for i in order]
+        seqs = {s.id: s for s in rows}
+        spec = {s.id: list(s.spec_token_ids) for s in rows[:num_decode] if s.spec_token_ids} if self.use_spec else {}
         total = sum(num_tokens)
+        decode_tokens = sum(num_tokens[:num_decode]) if num_prefill else total
         pads, tkvs = step.left_pad_blocks, step.tkvs
         batch = ScheduledBatch(
             seqs,
             num_tokens,
             total,
-            total_tokens_num_prefill=total - num_decode,
-            total_tokens_num_decode=num_decode,
+            total_tokens_num_prefill=total - decode_tokens,
+            total_tokens_num_decode=decode_tokens,
             total_seqs_num=len(rows),
-            total_seqs_num_prefill=len(prefill_rows),
-            total_seqs_num_decode=len(decode_rows),
-            num_spec_step=self.mtp_k if decode_rows else 0,
+            total_seqs_num_prefill=num_prefill,
+            total_seqs_num_decode=num_decode,
+            num_spec_step=self.mtp_k if num_decode else 0,
             scheduled_spec_decode_tokens=spec,
             num_computed_tokens=firsts,
             left_pad_blocks=[pads[i] for i in seqs] if pads is not None else None,
             tkvs=[tkvs[i] for i in seqs] if tkvs is not None else None,
             pad_block=step.pad_block,
         )
-        if prefill_rows:
+        if num_prefill:
             self.prev_prompt = True
         return batch, seqs
 
@@ -299,13 +316,15 @@ class Scheduler:
         finished: list[Sequence] = []
         outputs: list[RequestOutput] = []
         drafts = fwd_output.draft_token_ids or {}
+        get_tokens = fwd_output.token_ids.get
+        running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
         for seq in seqs:
-            token_ids = fwd_output.token_ids.get(seq.id)
-            if token_ids is None or seq.status != SequenceStatus.RUNNING:
+            token_ids = get_tokens(seq.id)
+            if token_ids is None or seq.status is not running:
                 continue  # a middle prompt chunk, or aborted or preempted since it was scheduled
-            if seq.num_computed_tokens < seq.num_tokens:
+            if seq.num_computed_tokens < seq._num_tokens:
                 continue  # a middle chunk samples nothing, whatever the runner sent
-            if self.use_spec and seq.type == SequenceType.DECODE and seq.id in drafts:
+            if self.use_spec and seq.type is decode and seq.id in drafts:
                 self.update_spec_stats(len(token_ids))
             reason = None
             for token_id in token_ids:
@@ -315,8 +334,8 @@ class Scheduler:
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
                     break  # tokens accepted after a stop are dropped
-            seq.type = SequenceType.DECODE
-            seq.num_computed_tokens = seq.num_tokens - 1  # all but the token just sampled (drafts rejected)
+            seq.type = decode
+            seq.num_computed_tokens = seq._num_tokens - 1  # all but the token just sampled (drafts rejected)
             if reason is None and seq.id in drafts:
                 seq.spec_token_ids = list(drafts[seq.id])
             if reason is not None:
@@ -341,7 +360,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         """The seed's order: stop sequences, EOS, stop token ids (model's, then request's), max_tokens (then the context limit)."""
-        num_tokens = len(seq)
+        num_tokens = seq._num_tokens
         num_completion = num_tokens - seq.num_prompt_tokens
         for stop in seq.stop_token_sequences:
             n = len(stop)

@@ -110,8 +110,14 @@ class Sequence:
     @num_tokens.setter
     def num_tokens(self, value: int) -> None:
         self._num_tokens = value
-        self.num_blocks = (value + self.block_size - 1) // self.block_size
-        self.last_block_num_tokens = value - (self.num_blocks - 1) * self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return (self._num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self._num_tokens - (self.num_blocks - 1) * self.block_size
 
     @property
     def is_finished(self) -> bool:
@@ -143,4 +149,4 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.output_tokens.append(token_id)
-        self.num_tokens = self._num_tokens + 1
+        self._num_tokens += 1

@@ -23,7 +23,7 @@ import time
 import types
 from pathlib import Path
 
-from atom_core import Config, SamplingParams, ScheduledBatchOutput, Scheduler, Sequence
+from atom_core import Config, SamplingParams, ScheduledBatchOutput, Scheduler, Sequence, SequenceType
 
 PEERS = Path(__file__).parent / ".peers"
 
@@ -33,8 +33,8 @@ def prompts(num_seqs: int, context: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(32000) for _ in range(context)] for _ in range(num_seqs)]
 
 
-def bench_atom(data: list[list[int]], steps: int, block_size: int, prefix_caching: bool) -> float:
-    num_blocks = len(data) * ((len(data[0]) + steps + 2 * block_size) // block_size + 1)
+def bench_atom(data: list[list[int]], steps: int, block_size: int, prefix_caching: bool, policy: str) -> float:
+    num_blocks = len(data) * ((len(data[0]) + steps + len(data) + 2 * block_size) // block_size + 1)
     sched = Scheduler(
         Config(
             num_kvcache_blocks=num_blocks,
@@ -42,12 +42,14 @@ def bench_atom(data: list[list[int]], steps: int, block_size: int, prefix_cachin
             max_num_seqs=len(data),
             enable_prefix_caching=prefix_caching,
             eos_token_id=2,
+            scheduling_policy=policy,
         )
     )
-    params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
+    # Under `mixed` the first requests decode while later prompts are still prefilled.
+    params = SamplingParams(max_tokens=steps + len(data), ignore_eos=True)
     for tokens in data:
         sched.add(Sequence(tokens, block_size, params))
-    while sched.waiting:  # prefill everything (16,384-token steps)
+    while sched.waiting or any(s.type != SequenceType.DECODE for s in sched.running):  # prefill everything
         batch, seqs = sched.schedule()
         sched.postprocess(list(seqs.values()), ScheduledBatchOutput({i: (7,) for i in batch.req_ids}))
     times = []
@@ -60,7 +62,7 @@ def bench_atom(data: list[list[int]], steps: int, block_size: int, prefix_cachin
         sched.postprocess(list(seqs.values()), out)
         t3 = time.perf_counter()
         times.append((t1 - t0) + (t3 - t2))
-        assert len(batch.req_ids) == len(data) and not batch.is_prefill
+        assert len(batch.req_ids) == len(data) and batch.total_seqs_num_prefill == 0
     return statistics.median(times)
 
 
@@ -121,19 +123,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true", help="measure Atom only")
+    ap.add_argument("--policies", nargs="+", default=["prefill_first", "mixed"], help="the first is compared with the peer")
     args = ap.parse_args()
     data = prompts(args.seqs, args.context)
     print(f"decode step of {args.seqs} sequences with {args.context}-token contexts, block size {args.block_size}, "
           f"median of {args.steps} steps (schedule + postprocess)")
-    atom_off = bench_atom(data, args.steps, args.block_size, prefix_caching=False)
-    atom_on = bench_atom(data, args.steps, args.block_size, prefix_caching=True)
-    print(f"  atom, prefix caching off : {atom_off * 1e6:8.0f} us/step  ({atom_off * 1e6 / args.seqs:.2f} us/sequence)")
-    print(f"  atom, prefix caching on  : {atom_on * 1e6:8.0f} us/step  ({atom_on * 1e6 / args.seqs:.2f} us/sequence)")
+    for policy in args.policies:
+        off = bench_atom(data, args.steps, args.block_size, prefix_caching=False, policy=policy)
+        on = bench_atom(data, args.steps, args.block_size, prefix_caching=True, policy=policy)
+        print(f"  atom {policy:13s}, prefix caching off : {off * 1e6:8.0f} us/step  ({off * 1e6 / args.seqs:.2f} us/sequence)")
+        print(f"  atom {policy:13s}, prefix caching on  : {on * 1e6:8.0f} us/step  ({on * 1e6 / args.seqs:.2f} us/sequence)")
+        if policy == args.policies[0]:
+            atom_on = on
     if args.no_peer:
         return
     nano = bench_nano_vllm(data, args.steps, args.block_size)
     print(f"  nano-vLLM (prefix cache) : {nano * 1e6:8.0f} us/step  ({nano * 1e6 / args.seqs:.2f} us/sequence)")
-    print(f"  ratio atom/nano-vLLM (both caching): {atom_on / nano:.2f}x the time per step")
+    print(f"  ratio atom {args.policies[0]}/nano-vLLM (both caching): {atom_on / nano:.2f}x the time per step")
 
 
 if __name__ == "__main__":

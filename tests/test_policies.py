@@ -244,7 +244,7 @@ def test_an_out_of_tree_policy_is_picked_by_name(plugin_manager):
 
 
 def test_an_unknown_policy_names_the_known_ones():
-    with pytest.raises(RegistryError, match="unknown scheduling policy 'nope'.*mixed.*prefill_first.*spyre"):
+    with pytest.raises(RegistryError, match="unknown scheduling policy .nope.. Known scheduling policies: mixed.*prefill_first.*spyre"):
         sched_for("nope")
 
 

@@ -16,10 +16,8 @@ class MixedPolicy(SchedulingPolicy):
         if not self.config.enable_chunked_prefill and self._head_needs_a_step_alone(step):
             if step.admit():
                 return
-        for seq in step.decoding():
-            step.schedule(seq)
-        for seq in step.prefilling():
-            step.schedule(seq)
+        step.schedule_all(step.decoding())
+        step.schedule_all(step.prefilling())
         while step.admit():
             pass
         if step.is_empty:  # decoding preempted every running request: their blocks are free again

@@ -11,13 +11,11 @@ class PrefillFirstPolicy(SchedulingPolicy):
     name = "prefill_first"
 
     def schedule(self, step: StepBuilder) -> None:
-        for seq in step.prefilling():
-            step.schedule(seq)
+        step.schedule_all(step.prefilling())
         while step.admit():
             pass
         if step.is_empty:
-            for seq in step.decoding():
-                step.schedule(seq)
+            step.schedule_all(step.decoding())
         if step.is_empty:  # decoding preempted every running request: their blocks are free again
             while step.admit():
                 pass

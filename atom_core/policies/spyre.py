@@ -132,17 +132,16 @@ class SpyrePolicy(SchedulingPolicy):
         return True
 
     def _decode(self, step: StepBuilder, decoding: list[Sequence]) -> None:
-        for seq in decoding:
-            step.schedule(seq)
+        step.schedule_all(decoding)
         if step.is_empty:
             return
         # After scheduling, num_computed_tokens counts the token this step writes.
         bs = self.block_size
-        nblocks = {s.id: -(-s.num_computed_tokens // bs) for s, _, _ in step.rows}
+        nblocks = {s.id: -(-s.num_computed_tokens // bs) for s in step.seqs}
         width = max(nblocks.values())
         step.pad_block = PAD_BLOCK
         step.left_pad_blocks = {sid: width - nb for sid, nb in nblocks.items()}
-        step.tkvs = {s.id: (width - nblocks[s.id]) * bs + s.num_computed_tokens for s, _, _ in step.rows}
+        step.tkvs = {s.id: (width - nblocks[s.id]) * bs + s.num_computed_tokens for s in step.seqs}
 
     # -- the last-chunk constraints ---------------------------------------------------
 
