@@ -121,7 +121,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 # -- one policy ---------------------------------------------------------------------------
 
 
-def engine_config(args: argparse.Namespace, workload: list[Request]) -> dict:
+def engine_config(args: argparse.Namespace, workload: list[Request]) -> dict[str, object]:
     """Everything but the policy: a KV pool holding every request at once (no preemption)."""
     tokens = [len(r.prompt) + r.max_tokens + 1 for r in workload] + [args.max_model_len]
     blocks = sum(-(-t // BLOCK_SIZE) for t in tokens) + 64
@@ -177,7 +177,9 @@ def summarize(policy: str, traces: list[Trace], steps: int, t0: float) -> Stats:
     return Stats(policy, p50, p99, i50, i99, tokens / wall, steps, wall)
 
 
-def run_policy(args: argparse.Namespace, folder: str, policy: str, workload: list[Request]) -> tuple[Stats, list[Trace]]:
+def run_policy(
+    args: argparse.Namespace, folder: str, policy: str, workload: list[Request]
+) -> tuple[Stats, list[Trace]]:
     eng = LLMEngine(folder, scheduling_policy=policy, **engine_config(args, workload))
     warm_up(eng)
     print(f"[{policy}] running {len(workload)} requests ... ({load_average()})", flush=True)
@@ -229,7 +231,7 @@ def compare_outputs(outputs: dict[str, list[list[int]]], dtype: str) -> bool:
     return agree
 
 
-def describe(args: argparse.Namespace, workload: list[Request], config: dict) -> None:
+def describe(args: argparse.Namespace, workload: list[Request], config: dict[str, object]) -> None:
     lengths = np.array([len(r.prompt) for r in workload])
     outputs = np.array([r.max_tokens for r in workload])
     long = int((lengths >= LONG_PROMPT[0]).sum())
