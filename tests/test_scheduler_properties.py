@@ -77,6 +77,7 @@ class Harness:
         spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
         self.k = k
         self.chunked = cfg.get("chunked", False) or policy == "spyre"
+        self.budget = cfg["max_num_batched_tokens"]
         self.sched = Scheduler(
             Config(
                 scheduling_policy=policy,
@@ -163,7 +164,7 @@ class Harness:
                 if p >= batch.num_cached_tokens[row]:  # a recomputed cached position writes elsewhere
                     self.shadow[(seq.block_table[p // self.bs], p % self.bs)] = hashes[p]
                 written.append(stream[p])
-            if seq.type.name == "PREFILL":  # prompt chunks respect the chunk rule
+            if seq.type.name == "PREFILL" and self.budget >= self.bs:  # chunks are floored to whole blocks
                 assert first % self.bs == 0 or first == batch.num_cached_tokens[row] or not self.chunked
         assert batch.scheduled_tokens == written
         assert sum(batch.num_scheduled_tokens) == batch.total_tokens_num
