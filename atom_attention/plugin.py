@@ -6,3 +6,4 @@ from atom_core import hookimpl
 @hookimpl
 def atom_register_attention_builders(registry):
     registry.register("mha", "atom_attention.mha:MHAMetadataBuilder")
+    registry.register("mla", "atom_attention.mla:MLAMetadataBuilder")

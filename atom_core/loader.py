@@ -1,7 +1,13 @@
 """Checkpoint tensors -> model parameters, driven by the model's `packed_modules_mapping`.
 
 Adding a model never touches this file: a model names which checkpoint tensors fill
-which fused parameter, and fused parameters carry a `weight_loader`.
+which fused parameter, and fused parameters carry a `weight_loader`. A model whose
+names need more than substring replacement (per-expert tensors stacked into one
+parameter) defines `map_checkpoint_name(name) -> (parameter name, shard) | None`,
+consulted first; it returns `SKIP` for tensors the model does not use (a checkpoint's
+MTP layer, which a draft model loads), so they are never read. A fused parameter expects
+the shards in its `expected_shards` if it has them, else every shard of its owner's
+`shard_offsets`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+# What `map_checkpoint_name` returns for a tensor the model leaves unread.
+SKIP = ("", "skip")
 
 # Buffers some checkpoints carry that models recompute.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,6 +45,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
     """Copy every checkpoint tensor into its parameter; missing or extra tensors are errors."""
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    mapper = getattr(model, "map_checkpoint_name", None)
     skipped = tuple(getattr(model, "skipped_checkpoint_suffixes", ())) + SKIPPED_SUFFIXES
     loaded: dict[int, set] = {}
     for path in safetensors_files(folder):
@@ -43,7 +53,10 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
             for name in f.keys():
                 if name.endswith(skipped):
                     continue
-                target, shard = _target(name, mapping)
+                mapped = mapper(name) if mapper is not None else None
+                if mapped == SKIP:
+                    continue
+                target, shard = mapped if mapped is not None else _target(name, mapping)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(
@@ -65,7 +78,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
         shards = loaded.get(id(param), set())
         owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
-        expected = set(owner.shard_offsets) if owner is not None else {None}
+        expected = {None} if owner is None else set(getattr(param, "expected_shards", None) or owner.shard_offsets)
         if not expected <= shards:
             missing.append(name if owner is None else f"{name} (shards {sorted(expected - shards)})")
     if missing:

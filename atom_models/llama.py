@@ -68,9 +68,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
         self.self_attn = self.attention_cls(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        """The feed-forward block of layer `layer_id` (MoE families return a sparse block here)."""
+        return LlamaMLP(cfg)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -85,7 +89,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = get_rope(cfg, head_dim_of(cfg), cfg.max_position_embeddings)
+        self.rotary_emb = get_rope(cfg, self.rope_dim(cfg), cfg.max_position_embeddings)
+
+    @staticmethod
+    def rope_dim(cfg: Any) -> int:
+        """How many dimensions of a head rope rotates (all of them here)."""
+        return head_dim_of(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

@@ -3,7 +3,6 @@ import queue
 import pytest
 
 from atom_core import (
-    Config,
     RequestOutput,
     SamplingParams,
     ScheduledBatchOutput,

@@ -114,7 +114,10 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 template <typename T, int D>
 struct VecRows {
   static constexpr int N = D > 0 ? D / 16 : 1;   // registers per row
-  static constexpr int kHeads = N <= 4 ? 4 : 2;  // heads per pass: accumulators stay within 32 registers
+  // Heads per pass: accumulators stay within 32 registers. Wide rows (MLA's 576-value latent,
+  // where every head shares the row) accumulate in slices of kSlice registers, so 4 heads fit.
+  static constexpr int kHeads = N <= 4 || N > 8 ? 4 : 2;
+  static constexpr int kSlice = 4;
   static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t, float* out,
                      int64_t out_stride, const T* ahead) {
     int64_t t = 0;
@@ -149,7 +152,11 @@ struct VecRows {
     }
   }
   static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
-                         int64_t, float* acc, const T* ahead) {
+                         int64_t dim, float* acc, const T* ahead) {
+    if constexpr (N > 8) {
+      accumulate_sliced(p, p_stride, hb, rows, stride, n, acc, ahead);
+      return;
+    }
     __m512 av[kHeads][N];
     for (int h = 0; h < kHeads; ++h)
       for (int i = 0; i < N; ++i) av[h][i] = h < hb ? _mm512_loadu_ps(acc + h * D + 16 * i) : _mm512_setzero_ps();
@@ -169,7 +176,39 @@ struct VecRows {
       for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + h * D + 16 * i, av[h][i]);
     }
   }
+  static void accumulate_sliced(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
+                                float* acc, const T* ahead);
 };
+// VecRows::accumulate for wide rows: per slice of kSlice registers, kHeads heads' accumulators
+// stay in registers over the block's rows and each row slice is loaded once for all of them.
+template <typename T, int D>
+void VecRows<T, D>::accumulate_sliced(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride,
+                                      int64_t n, float* acc, const T* ahead) {
+  if (ahead)
+    for (int64_t t = 0; t < n; ++t) prefetch_row(ahead + t * stride, D);
+  for (int c = 0; c < N; c += kSlice) {
+    const int m = std::min(kSlice, N - c);
+    __m512 av[kHeads][kSlice];
+    for (int h = 0; h < kHeads; ++h)
+      for (int i = 0; i < kSlice; ++i)
+        av[h][i] = h < hb && i < m ? _mm512_loadu_ps(acc + h * D + 16 * (c + i)) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride + 16 * c;
+      __m512 x[kSlice];
+      for (int i = 0; i < kSlice; ++i) x[i] = i < m ? load16(row + 16 * i) : _mm512_setzero_ps();
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= hb) break;
+        const __m512 w = _mm512_set1_ps(p[h * p_stride + t]);
+        for (int i = 0; i < kSlice; ++i) av[h][i] = _mm512_fmadd_ps(w, x[i], av[h][i]);
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      if (h >= hb) break;
+      for (int i = 0; i < m; ++i) _mm512_storeu_ps(acc + h * D + 16 * (c + i), av[h][i]);
+    }
+  }
+}
+
 template <typename T, int D>
 constexpr bool kVectorized = D > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
 template <typename T, int D>
@@ -269,6 +308,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   switch (q.size(2)) {
     case 64: return attention_impl<T, 64>(q, k, v, bt, cl, qsl, scale, out);
     case 128: return attention_impl<T, 128>(q, k, v, bt, cl, qsl, scale, out);
+    case 576: return attention_impl<T, 576>(q, k, v, bt, cl, qsl, scale, out);  // MLA's latent row (DeepSeek)
     default: return attention_impl<T, 0>(q, k, v, bt, cl, qsl, scale, out);
   }
 }

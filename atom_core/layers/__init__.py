@@ -2,8 +2,25 @@
 
 from atom_core.layers.attention import Attention
 from atom_core.layers.linear import Linear, MergedLinear
+from atom_core.layers.mla import MLAAttention
+from atom_core.layers.moe import FusedMoE, register_router, select_experts
 from atom_core.layers.norm import RMSNorm
-from atom_core.layers.ops import apply_rotary, rms_norm, silu_and_mul
+from atom_core.layers.ops import apply_rotary, apply_rotary_interleaved, rms_norm, silu_and_mul
 from atom_core.layers.rotary import RotaryEmbedding, get_rope
 
-__all__ = ["Attention", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "apply_rotary", "get_rope", "rms_norm", "silu_and_mul"]
+__all__ = [
+    "Attention",
+    "FusedMoE",
+    "Linear",
+    "MLAAttention",
+    "MergedLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "apply_rotary_interleaved",
+    "get_rope",
+    "register_router",
+    "rms_norm",
+    "select_experts",
+    "silu_and_mul",
+]

@@ -54,3 +54,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     if ops is not None and x.stride(-1) == 1:
         return ops.rotary_(x, cos, sin_signed)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rope over interleaved pairs (x0, x1), (x2, x3), ...
+
+    De-interleaves to [evens | odds] and rotates halves: transformers' DeepSeek-V3 output
+    layout. Queries and keys permuted alike keep every dot product (and so DeepSeek-V2's
+    complex-number rope, which keeps pairs interleaved) unchanged.
+    """
+    d = x.shape[-1]
+    x = x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(*x.shape[:-1], d)
+    return apply_rotary(x, cos, sin_signed)

@@ -1,4 +1,8 @@
-"""Rotary position embedding (rotate-half), with the rope variants HF configs describe."""
+"""Rotary position embedding (rotate-half), with the rope variants HF configs describe.
+
+DeepSeek rotates interleaved pairs; its models de-interleave the rope part first
+(`ops.apply_rotary_interleaved`) and share these rotate-half tables.
+"""
 
 from __future__ import annotations
 
@@ -39,22 +43,62 @@ def _linear_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return inv_freq / p["factor"]
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """transformers' `_compute_yarn_parameters`: interpolate the low frequencies, keep the high ones."""
+    dim = 2 * inv_freq.numel()
+    base, factor = float(p["rope_theta"]), p["factor"]
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+    old_len = p["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def attention_factor(p: dict[str, Any]) -> float:
+    """What a rope type multiplies cos and sin by (YaRN's mscale ratio; 1 elsewhere)."""
+    if p["rope_type"] != "yarn":
+        return 1.0
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(p["factor"], mscale) / yarn_get_mscale(p["factor"], mscale_all_dim)
+    return yarn_get_mscale(p["factor"])
+
+
 # rope_type -> how it rescales the default inverse frequencies
-INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq}
+INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq, "yarn": _yarn_inv_freq}
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, looked up per token."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None):
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None, scaling: float = 1.0
+    ):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if inv_freq_scaler is not None:
             inv_freq = inv_freq_scaler(inv_freq, params)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        sin = emb.sin()
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        sin = emb.sin() * scaling
         half = head_dim // 2
         self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
@@ -68,4 +112,8 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbeddin
     kind = p["rope_type"]
     if kind not in INV_FREQ_SCALERS:
         raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(INV_FREQ_SCALERS)}")
-    return RotaryEmbedding(head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p)
+    if kind == "yarn" and p.get("factor") is None:  # DeepSeek-V3 style: implied by the two lengths
+        p["factor"] = hf_config.max_position_embeddings / p["original_max_position_embeddings"]
+    return RotaryEmbedding(
+        head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p, scaling=attention_factor(p)
+    )

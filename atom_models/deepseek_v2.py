@@ -1,0 +1,211 @@
+"""DeepSeek-V2 and -V3: multi-head latent attention, shared + routed experts, dense first layers.
+
+Attention caches one latent row per token (`MLAAttention`, the "mla" builder). q and the
+latent come out of one fused GEMM (`qkv_a_proj` = q_proj or q_a_proj, plus
+kv_a_proj_with_mqa). V3 differs in routing only (sigmoid scores with a correction bias,
+`noaux_tc`); the checkpoint's multi-token-prediction layer (index `num_hidden_layers`)
+is read past, not loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_core.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    apply_rotary,
+    apply_rotary_interleaved,
+    silu_and_mul,
+)
+from atom_core.layers.mla import MLAAttention
+from atom_core.layers.moe import FusedMoE, select_experts
+from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
+from atom_core.loader import SKIP
+from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+def softmax_scale(cfg: Any) -> float:
+    """qk_head_dim ** -0.5, times mscale**2 under a scaled rope with `mscale_all_dim` (as transformers)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    p = rope_parameters(cfg)
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        factor = p.get("factor") or cfg.max_position_embeddings / p["original_max_position_embeddings"]
+        scale *= yarn_get_mscale(factor, p["mscale_all_dim"]) ** 2
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        if getattr(cfg, "attention_bias", False):
+            raise ValueError("DeepSeek attention with attention_bias=True is not supported")
+        self.num_heads = h = cfg.num_attention_heads
+        self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
+        qk = self.nope + self.rope_dim
+        q_out = self.q_lora_rank or h * qk
+        self.qkv_a_proj = MergedLinear(cfg.hidden_size, {"q": q_out, "kv_a": cfg.kv_lora_rank + self.rope_dim})
+        if self.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers' default eps for both
+            self.q_b_proj = Linear(self.q_lora_rank, h * qk, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        # Plain nn.Linear: MLA reads W_UK / W_UV as views of this weight, never repacked.
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.interleaved = bool(getattr(cfg, "rope_interleave", True))
+        self.attn = MLAAttention(
+            h, self.nope, self.rope_dim, cfg.v_head_dim, cfg.kv_lora_rank, softmax_scale(cfg), self.kv_b_proj, layer_id
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, kv_a = self.qkv_a_proj.split(self.qkv_a_proj(x))
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(n, self.num_heads, self.nope + self.rope_dim)
+        c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank].contiguous())
+        rotate = apply_rotary_interleaved if self.interleaved else apply_rotary
+        q_pe = rotate(q[..., self.nope :].contiguous(), cos, sin)
+        k_pe = rotate(kv_a[:, None, self.kv_lora_rank :].contiguous(), cos, sin)[:, 0]
+        return self.o_proj(self.attn(q[..., : self.nope], q_pe, c_kv, k_pe))
+
+
+class DeepseekMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DeepseekGate(nn.Module):
+    """Router weights (and V3's selection bias), scored in float32 as transformers does."""
+
+    def __init__(self, cfg: Any, correction_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
+        if correction_bias:
+            # float32 whatever the model's dtype (checkpoints store it so): it decides near ties
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts (the shared `FusedMoE`) plus always-on shared experts."""
+
+    correction_bias = False
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.method = self.routing_method(cfg)
+        self.renormalize = bool(getattr(cfg, "norm_topk_prob", False))
+        self.n_group, self.topk_group = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
+        self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
+        self.gate = DeepseekGate(cfg, self.correction_bias)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        shared = getattr(cfg, "n_shared_experts", None)
+        self.shared_experts = DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared) if shared else None
+
+    @staticmethod
+    def routing_method(cfg: Any) -> str:
+        return getattr(cfg, "topk_method", None) or "greedy"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(
+            self.gate(x),
+            self.top_k,
+            self.method,
+            renormalize=self.renormalize,
+            num_expert_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.scaling,
+            correction_bias=getattr(self.gate, "e_score_correction_bias", None),
+        )
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV3MoE(DeepseekV2MoE):
+    correction_bias = True
+
+    @staticmethod
+    def routing_method(cfg: Any) -> str:
+        return "noaux_tc"
+
+
+def is_moe_layer(cfg: Any, layer_id: int) -> bool:
+    return (
+        bool(getattr(cfg, "n_routed_experts", None))
+        and layer_id >= (getattr(cfg, "first_k_dense_replace", 0) or 0)
+        and layer_id % (getattr(cfg, "moe_layer_freq", 1) or 1) == 0
+    )
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = DeepseekV2Attention
+    moe_cls = DeepseekV2MoE
+
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        if is_moe_layer(cfg, layer_id):
+            return self.moe_cls(cfg)
+        return DeepseekMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class DeepseekV2Model(LlamaModel):
+    layer_cls = DeepseekV2DecoderLayer
+
+    @staticmethod
+    def rope_dim(cfg: Any) -> int:
+        return cfg.qk_rope_head_dim  # only the decoupled rope part of each head rotates
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    model_cls = DeepseekV2Model
+    packed_modules_mapping = {
+        "q_a_proj": ("qkv_a_proj", "q"),
+        "q_proj": ("qkv_a_proj", "q"),
+        "kv_a_proj_with_mqa": ("qkv_a_proj", "kv_a"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, hf_config: Any, atom_config: Any = None):
+        super().__init__(hf_config, atom_config)
+        self._extra_layer = re.compile(r"^model\.layers\.(\d+)\.")
+        self._experts = None
+        if any(is_moe_layer(hf_config, i) for i in range(hf_config.num_hidden_layers)):
+            self._experts = FusedMoE.checkpoint_mapping()
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """Per-expert hub tensors -> stacked experts; layers past `num_hidden_layers` (MTP) are skipped."""
+        m = self._extra_layer.match(name)
+        if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
+            return SKIP
+        return self._experts(name) if self._experts is not None else None
+
+
+class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
+    moe_cls = DeepseekV3MoE
+
+
+class DeepseekV3Model(DeepseekV2Model):
+    layer_cls = DeepseekV3DecoderLayer
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    model_cls = DeepseekV3Model

@@ -1,0 +1,49 @@
+"""Mixtral: Llama attention; every layer's `block_sparse_moe` is a softmax top-k router whose
+weights are always renormalised, over experts stored as w1 (gate), w3 (up), w2 (down)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from atom_core.layers import FusedMoE
+from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
+from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from atom_models.sparse_moe import SparseMoeBlock
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by Mixtral here; only 'silu'")
+        return SparseMoeBlock(
+            cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, renormalize=True
+        )
+
+
+class MixtralModel(LlamaModel):
+    layer_cls = MixtralDecoderLayer
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    model_cls = MixtralModel
+    _experts = FusedMoE.checkpoint_mapping(MIXTRAL_EXPERT_NAMES)
+
+    def __init__(self, hf_config: Any, atom_config: Any = None):
+        window = getattr(hf_config, "sliding_window", None)
+        max_len = getattr(atom_config, "max_model_len", None)
+        if window is not None and (max_len is None or max_len > window):
+            raise ValueError(
+                f"sliding_window={window} is not supported (attention here is full causal); "
+                f"it is harmless only with max_model_len <= {window}, got max_model_len={max_len}"
+            )
+        super().__init__(hf_config, atom_config)
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, tuple[str, int] | None] | None:
+        """The hub's `block_sparse_moe` is our layers' `mlp` (so Llama's forward serves unchanged)."""
+        if ".block_sparse_moe." not in name:
+            return None
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        return self._experts(name) or (name, None)

@@ -1,0 +1,45 @@
+"""Qwen3-MoE: Qwen3 attention; each layer's MLP is a softmax-routed sparse MoE block, or a dense
+MLP for layers in `mlp_only_layers` or off the `decoder_sparse_step` stride (as transformers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from atom_core.layers import FusedMoE
+from atom_models.llama import LlamaMLP
+from atom_models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from atom_models.sparse_moe import SparseMoeBlock
+
+
+def is_sparse_layer(cfg: Any, layer_id: int) -> bool:
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (
+        layer_id not in (getattr(cfg, "mlp_only_layers", None) or [])
+        and cfg.num_experts > 0
+        and (layer_id + 1) % step == 0
+    )
+
+
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        if not is_sparse_layer(cfg, layer_id):
+            return LlamaMLP(cfg)
+        return SparseMoeBlock(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", False)),  # transformers' default: off
+        )
+
+
+class Qwen3MoeModel(Qwen3Model):
+    layer_cls = Qwen3MoeDecoderLayer
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    model_cls = Qwen3MoeModel
+    # hub per-expert `mlp.experts.{e}.gate_proj|up_proj|down_proj` -> stacked experts
+    map_checkpoint_name = FusedMoE.checkpoint_mapping()

@@ -1,0 +1,87 @@
+"""How many tokens a 10 GiB KV budget holds for DeepSeek-V3 and DeepSeek-V2-Lite: the "mla"
+builder's latent rows against the same model with expanded per-head K and V.
+
+Shapes only: the configs below are the models' config.json values, written inline (no hub
+access), and the models are built on the meta device (no weights). The MLA figure is the
+builder's own `compute_block_bytes()`; the expanded figures are (a) the exact per-head
+layout, K of qk_nope + qk_rope and V of v_head_dim, and (b) what Atom's MHA builder would
+allocate, which keeps K and V at one head size (V padded to qk_head_dim).
+
+    python benchmarks/kv_capacity.py [--budget-gib 10] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from atom_attention.mha import MHAMetadataBuilder
+from atom_attention.mla import MLAMetadataBuilder
+from atom_core.layers import Attention
+from atom_models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+
+BLOCK_SIZE = 16
+YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1)
+
+DEEPSEEK_V3 = dict(  # deepseek-ai/DeepSeek-V3
+    architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+    first_k_dense_replace=3, moe_layer_freq=1, norm_topk_prob=True, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000, rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
+    tie_word_embeddings=False,
+)
+DEEPSEEK_V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite
+    architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=False,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+    rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707), tie_word_embeddings=False,
+)
+MODELS = {
+    "DeepSeek-V3": (DEEPSEEK_V3, DeepseekV3ForCausalLM),
+    "DeepSeek-V2-Lite": (DEEPSEEK_V2_LITE, DeepseekV2ForCausalLM),
+}
+
+
+def runner(cfg, dtype: torch.dtype) -> SimpleNamespace:
+    return SimpleNamespace(
+        config=SimpleNamespace(kv_cache_block_size=BLOCK_SIZE), hf_config=cfg, dtype=dtype, device=torch.device("cpu")
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-gib", type=float, default=10.0)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    budget = int(args.budget_gib * 2**30)
+    print(f"KV budget {args.budget_gib:g} GiB, {args.dtype}, blocks of {BLOCK_SIZE} tokens")
+    for name, (values, model_cls) in MODELS.items():
+        cfg = SimpleNamespace(**values)
+        with torch.device("meta"):
+            model = model_cls(cfg)
+        mla_layers = [m for m in model.modules() if getattr(m, "attn_type", None) == "mla"]
+        mla = MLAMetadataBuilder(runner(cfg, dtype), mla_layers).compute_block_bytes()
+        heads, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        expanded = cfg.num_hidden_layers * BLOCK_SIZE * heads * (qk + cfg.v_head_dim) * dtype.itemsize
+        mha_layers = [Attention(heads, qk, qk**-0.5, heads, i) for i in range(cfg.num_hidden_layers)]
+        mha = MHAMetadataBuilder(runner(cfg, dtype), mha_layers).compute_block_bytes()
+        tokens = {k: budget // b * BLOCK_SIZE for k, b in (("mla", mla), ("expanded", expanded), ("mha", mha))}
+        latent = f"{cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}"
+        print(f"\n{name}: {cfg.num_hidden_layers} layers, {heads} heads, latent {latent}")
+        print(f"  mla builder         {mla // BLOCK_SIZE:>10,} B/token  {tokens['mla']:>12,} tokens")
+        print(f"  expanded K/V        {expanded // BLOCK_SIZE:>10,} B/token  {tokens['expanded']:>12,} tokens"
+              f"  ratio {tokens['mla'] / tokens['expanded']:.1f}x")
+        print(f"  MHA builder (V pad) {mha // BLOCK_SIZE:>10,} B/token  {tokens['mha']:>12,} tokens"
+              f"  ratio {tokens['mla'] / tokens['mha']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Qwen3-MoE (with dense layers) and Mixtral under every scheduling policy: chunked prompts,
+prefix caching and preemption, float32 greedy tokens and logits against transformers.
+
+Batches of mixed lengths, prefix caching, preemption, the portable torch path and bfloat16
+run for these archs in test_model_parity.py (they are in model_utils.ARCHS); this file adds
+the policy matrix of test_policy_parity.py and checks the models really are what the
+parity is about (sparse and dense layers where transformers puts them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import test_policy_parity as policy_parity  # noqa: E402
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from model_utils import build_tiny_model  # noqa: E402
+
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, build_tiny_model(request.param, folder)
+
+
+@pytest.mark.parametrize("policy", policy_parity.POLICIES)
+def test_chunked_prompts_with_prefix_caching_match_transformers(tiny, policy):
+    policy_parity.test_chunked_prompts_with_prefix_caching_match_transformers(tiny, policy)
+
+
+@pytest.mark.parametrize("policy", policy_parity.POLICIES)
+def test_preemption_with_chunked_prompts_matches_transformers(tiny, policy):
+    policy_parity.test_preemption_with_chunked_prompts_matches_transformers(tiny, policy)
+
+
+def test_sparse_and_dense_layers_sit_where_transformers_puts_them(tiny, monkeypatch):
+    from atom_core.layers import FusedMoE
+    from atom_models.sparse_moe import SparseMoeBlock
+
+    monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")  # keep the stacked weights (oneDNN repacks them per expert)
+    folder, hf = tiny
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=8, max_model_len=64)
+    ours = [isinstance(layer.mlp, SparseMoeBlock) for layer in engine.runner.model.model.layers]
+    theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    assert ours == theirs and any(ours)
+    assert all(ours) == (hf.config.model_type == "mixtral")  # Qwen3-MoE's layer 1 is dense (mlp_only_layers)
+    for layer, hf_layer in zip(engine.runner.model.model.layers, hf.model.layers):
+        if isinstance(layer.mlp, SparseMoeBlock):  # stacked weights equal transformers' fused ones
+            experts: FusedMoE = layer.mlp.experts
+            torch.testing.assert_close(experts.w13, hf_layer.mlp.experts.gate_up_proj, rtol=0, atol=0)
+            torch.testing.assert_close(experts.w2, hf_layer.mlp.experts.down_proj, rtol=0, atol=0)
+
+
+def test_mixtral_refuses_a_sliding_window_shorter_than_the_context():
+    from types import SimpleNamespace
+
+    import transformers
+
+    from atom_models.mixtral import MixtralForCausalLM
+
+    config = transformers.MixtralConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=4, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, sliding_window=64,
+    )
+    with pytest.raises(ValueError, match="sliding_window=64"):
+        MixtralForCausalLM(config, SimpleNamespace(max_model_len=128))
+    MixtralForCausalLM(config, SimpleNamespace(max_model_len=64))  # the window never bites
