@@ -145,9 +145,9 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
         weights = topk_weights.reshape(-1).to(torch.float32)
         ops = moe_ops() if self.packed is not None and self.gemm is _onednn_linear else None
-        if ops is not None:  # rows come back weighted, per (token, slot): summing the slots is the scatter
+        if ops is not None:  # each token's weighted rows come back summed (in float32) in the weights' dtype
             out = ops.experts_forward(hidden.to(dtype).contiguous(), order, counts, weights.contiguous(), k, w13, w2)
-            return out.view(num_tokens, k, self.hidden_size).sum(dim=1).to(hidden.dtype)
+            return out.to(hidden.dtype)
         token_of = order // k
         x = hidden.index_select(0, token_of).to(dtype)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=dtype, device=x.device)

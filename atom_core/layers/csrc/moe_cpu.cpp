@@ -11,6 +11,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <numeric>
 #include <vector>
@@ -28,10 +29,20 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
   return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
+template <typename T>
+void scatter_rows(const T* y, const int64_t* rows, int64_t n, int64_t h, const float* weights, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float w = weights[rows[r]];
+    const T* src = y + r * h;
+    float* dst = out + rows[r] * h;
+    for (int64_t c = 0; c < h; ++c) dst[c] = static_cast<float>(src[c]) * w;
+  }
+}
+
 // hidden: [T, H]; order: [T*k] flat (token, slot) assignments sorted by expert, counts[e] of
 // them for expert e; weights: [T*k] float32 routing weights in flat order. w13[e]: packed
-// [2I, H] (gate rows, then up rows); w2[e]: packed [H, I]. Returns float32 [T*k, H]: row
-// t*k + j is token t's j-th expert output times its weight. Each task gathers its own
+// [2I, H] (gate rows, then up rows); w2[e]: packed [H, I]. Float32 rows: row
+// t*k + j (token t's j-th expert output times its weight) is summed over j into a [T, H] result in hidden's dtype. Each task gathers its own
 // rows and writes rows no other task writes, so the sum over slots needs no atomics.
 at::Tensor experts_forward(const at::Tensor& hidden, const at::Tensor& order, const std::vector<int64_t>& counts,
                            const at::Tensor& weights, int64_t top_k, const std::vector<at::Tensor>& w13,
@@ -57,25 +68,69 @@ at::Tensor experts_forward(const at::Tensor& hidden, const at::Tensor& order, co
                    [&](int64_t a, int64_t b) { return counts[experts[a]] > counts[experts[b]]; });
 
   at::Tensor out = at::empty({order.numel(), hidden.size(1)}, hidden.options().dtype(at::kFloat));
+  TORCH_CHECK(hidden.is_contiguous() && order.is_contiguous() && weights.is_contiguous(),
+              "hidden, order and weights must be contiguous");
+  const int64_t hidden_size = hidden.size(1);
+  const size_t row_bytes = static_cast<size_t>(hidden_size) * hidden.element_size();
+  const char* hidden_p = static_cast<const char*>(hidden.data_ptr());
+  const int64_t* order_p = order.data_ptr<int64_t>();
+  const float* weights_p = weights.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
   std::exception_ptr error = nullptr;
   const int64_t n = static_cast<int64_t>(by_size.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t j = 0; j < n; ++j) {
     try {
-      const int64_t i = by_size[j], e = experts[i];
-      at::Tensor rows = order.narrow(0, starts[i], counts[e]);
-      at::Tensor gate_up = onednn_linear(hidden.index_select(0, at::floor_divide(rows, top_k)), w13[e]);
+      const int64_t i = by_size[j], e = experts[i], n = counts[e];
+      const int64_t* rows = order_p + starts[i];
+      // gather this expert's token rows (row r of the flat order belongs to token r / top_k)
+      at::Tensor x = at::empty({n, hidden_size}, hidden.options());
+      char* x_p = static_cast<char*>(x.data_ptr());
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(x_p + r * row_bytes, hidden_p + (rows[r] / top_k) * row_bytes, row_bytes);
+      at::Tensor gate_up = onednn_linear(x, w13[e]);
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-      at::Tensor y = onednn_linear(act, w2[e]).to(at::kFloat).mul_(weights.index_select(0, rows).unsqueeze(1));
-      out.index_copy_(0, rows, y);
+      at::Tensor y = onednn_linear(act, w2[e]).contiguous();
+      // weighted scatter: out[row] = y[r] * weight[row], in float32
+      if (y.scalar_type() == at::kFloat) {
+        scatter_rows<float>(y.data_ptr<float>(), rows, n, hidden_size, weights_p, out_p);
+      } else if (y.scalar_type() == at::kBFloat16) {
+        scatter_rows<at::BFloat16>(y.data_ptr<at::BFloat16>(), rows, n, hidden_size, weights_p, out_p);
+      } else {
+        at::Tensor idx = order.narrow(0, starts[i], n);
+        out.index_copy_(0, idx, y.to(at::kFloat).mul_(weights.index_select(0, idx).unsqueeze(1)));
+      }
     } catch (...) {
 #pragma omp critical
       if (!error) error = std::current_exception();
     }
   }
   if (error) std::rethrow_exception(error);
-  return out;
+  // each token's sum over its k slots, in float32, written once in hidden's dtype
+  const int64_t tokens = hidden.size(0);
+  at::Tensor result = at::empty({tokens, hidden_size}, hidden.options());
+  auto reduce = [&](auto* dst_p) {
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(hidden_size);
+      for (int64_t t = begin; t < end; ++t) {
+        const float* src = out_p + t * top_k * hidden_size;
+        std::memcpy(acc.data(), src, hidden_size * sizeof(float));
+        for (int64_t j = 1; j < top_k; ++j)
+          for (int64_t c = 0; c < hidden_size; ++c) acc[c] += src[j * hidden_size + c];
+        auto* dst = dst_p + t * hidden_size;
+        for (int64_t c = 0; c < hidden_size; ++c) dst[c] = acc[c];
+      }
+    });
+  };
+  if (result.scalar_type() == at::kBFloat16) {
+    reduce(result.data_ptr<at::BFloat16>());
+  } else if (result.scalar_type() == at::kFloat) {
+    reduce(result.data_ptr<float>());
+  } else {
+    result.copy_(out.view({tokens, top_k, hidden_size}).sum(1));
+  }
+  return result;
 }
 
 }  // namespace
