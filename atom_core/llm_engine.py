@@ -77,6 +77,7 @@ class LLMEngine:
             config,
             num_kvcache_blocks=self.runner.num_kvcache_blocks,
             num_per_req_cache_groups=self.runner.num_per_req_cache_groups,
+            per_req_cache_equiv_blocks=self.runner.per_req_cache_equiv_blocks,
         )
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
@@ -162,7 +163,13 @@ class LLMEngine:
         return self._add(self._token_ids(prompt), prompt, params, stream_callback)
 
     def _add(self, ids: list[int], prompt: Any, params: SamplingParams, callback=None) -> int:
-        seq = Sequence(ids, self.config.kv_cache_block_size, params, stream_callback=callback)
+        seq = Sequence(
+            ids,
+            self.config.kv_cache_block_size,
+            params,
+            stream_callback=callback,
+            has_per_req_cache=self.config.num_per_req_cache_groups > 0,  # stateful attention (GDN)
+        )
         self._requests[seq.id] = _Request(seq, prompt)
         self.scheduler.add(seq)
         return seq.id

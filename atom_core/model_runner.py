@@ -115,8 +115,16 @@ class ModelRunner:
     # -- KV pool -------------------------------------------------------------------------
 
     def _size_kv_pool(self) -> int:
+        """Blocks for the paged pool, after the per-request state groups have taken their share."""
         cfg, bs = self.config, self.block_size
         block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
+        # Stateful attention (GDN) keeps one group of per-request state outside the pool;
+        # every group is reserved up front, so the budget pays for them first.
+        stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
+        group_bytes = sum(b.compute_per_req_cache_bytes() * b.slots_per_req() for b in stateful)
+        groups_field = "num_per_req_cache_groups" if cfg.num_per_req_cache_groups else "max_num_seqs"
+        self.num_per_req_cache_groups = (cfg.num_per_req_cache_groups or cfg.max_num_seqs) if stateful else 0
+        self.group_bytes = group_bytes
         per_request = -(-cfg.max_model_len // bs) + cfg.num_speculative_tokens  # blocks for one full request
         if cfg.num_kvcache_blocks is not None:
             num_blocks = cfg.num_kvcache_blocks
@@ -130,7 +138,16 @@ class ModelRunner:
             else:
                 budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
                 source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
-            num_blocks = budget // max(block_bytes, 1)
+            groups_total = self.num_per_req_cache_groups * group_bytes
+            if group_bytes and budget - groups_total < per_request * block_bytes:
+                fit = max(0, (budget - per_request * block_bytes) // group_bytes)
+                raise ValueError(
+                    f"the KV budget from {source} cannot hold {self.num_per_req_cache_groups} per-request state "
+                    f"groups of {group_bytes} bytes ({groups_field}={self.num_per_req_cache_groups}) plus the "
+                    f"{per_request} blocks of {block_bytes} bytes one request of max_model_len={cfg.max_model_len} "
+                    f"tokens needs; at most {fit} groups fit: lower {groups_field}, or raise kv_cache_memory"
+                )
+            num_blocks = (budget - groups_total) // max(block_bytes, 1)
             # More than every running request at full length can never be used.
             num_blocks = min(num_blocks, cfg.max_num_seqs * per_request)
         if num_blocks < per_request:
@@ -141,16 +158,16 @@ class ModelRunner:
                 f"num_kvcache_blocks, or lower max_model_len"
             )
         self.block_bytes = block_bytes
+        # What one group is worth in blocks, for the scheduler's own accounting.
+        self.per_req_cache_equiv_blocks = -(-group_bytes // block_bytes) if group_bytes and block_bytes else 0
         return num_blocks
 
     def _allocate_kv_cache(self) -> None:
         num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
-        # Per-request state groups (GDN-style attention); the scheduler must hand out
-        # exactly as many as were allocated, so the engine reads this count back.
+        # Per-request state groups (GDN-style attention), counted by `_size_kv_pool`; the
+        # scheduler must hand out exactly as many as were allocated, so the engine reads
+        # this count back.
         stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
-        self.num_per_req_cache_groups = (
-            (self.config.num_per_req_cache_groups or self.config.max_num_seqs) if stateful else 0
-        )
         for builder in self.attn_builders.values():
             self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
         for builder in stateful:
