@@ -58,7 +58,7 @@ class StepBuilder:
         self._scheduled: set[int] = set()
         self.num_preempted = 0
         self._delay_passed: bool | None = None
-        # Set by policies that pad (spyre): per row, in the batch's final order.
+        # Set by policies that pad (spyre), keyed by request id; the batch lists them in row order.
         self.left_pad_blocks: dict[int, int] | None = None
         self.tkvs: dict[int, int] | None = None
         self.pad_block: int | None = None
