@@ -7,3 +7,4 @@ from atom_core import hookimpl
 def atom_register_attention_builders(registry):
     registry.register("mha", "atom_attention.mha:MHAMetadataBuilder")
     registry.register("mla", "atom_attention.mla:MLAMetadataBuilder")
+    registry.register("gdn", "atom_attention.gdn:GDNMetadataBuilder")

@@ -83,12 +83,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
 
     def __init__(self, cfg: Any):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, self.rope_dim(cfg), cfg.max_position_embeddings)
 
     @staticmethod

@@ -104,6 +104,33 @@ ARCHS = {
         ),
         bf16_routing_flips=True,
     ),
+    # Qwen3-Next (tests/test_qwen3_next_parity.py): layers 0-2 Gated DeltaNet ("gdn" builder), layer 3
+    # gated full attention with partial rope; layer 1 dense (mlp_only_layers), the others routed + shared expert.
+    "qwen3_next": dict(
+        cls="Qwen3NextForCausalLM",
+        config="Qwen3NextConfig",
+        attention="gdn",
+        kwargs=dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+        bf16_routing_flips=True,
+    ),
     # DeepSeek (attention="mla": tests/test_deepseek_parity.py runs them, on the latent pool).
     # Layer 0 dense (first_k_dense_replace=1), layers 1-2 routed + shared experts.
     "deepseek_v2_greedy": dict(

@@ -1,0 +1,243 @@
+"""Qwen3-Next: Gated DeltaNet ("linear_attention") layers interleaved with gated full attention.
+
+`config.layer_types` says which token mixer each layer has (transformers derives it from
+`full_attention_interval` when absent). Gated DeltaNet layers keep per-request state (a
+short conv window and a recurrent matrix per value head) instead of a KV cache: their
+module names the "gdn" attention builder, which sizes and binds that state and supplies
+the kernel (`impl`). Full-attention layers use the paged "mha" pool. Every RMSNorm but the
+GDN output norm is zero-centred (`x * (1 + w)`); MoE layers add a sigmoid-gated shared expert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_core.forward_context import get_forward_context
+from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary, silu_and_mul
+from atom_core.layers.rotary import rope_parameters
+from atom_core.loader import SKIP
+from atom_models.llama import LlamaForCausalLM, LlamaModel
+from atom_models.qwen3_moe import is_sparse_layer
+from atom_models.sparse_moe import SparseMoeBlock
+
+
+def layer_types_of(cfg: Any) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types)
+    interval = getattr(cfg, "full_attention_interval", 4) or 4
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(cfg.num_hidden_layers)]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: weight stored around 0, applied as `(1 + w)`, all in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm (plain weight) then `* silu(z)`: the GDN output norm, norm before gate."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+
+
+class Qwen3NextSparseMoeBlock(SparseMoeBlock):
+    """Softmax-routed experts plus a shared expert scaled by `sigmoid(shared_expert_gate(h))`."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", True)),
+        )
+        self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return super().forward(h) + shared
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    """One Gated DeltaNet token mixer; its conv and recurrent state live in the "gdn" builder's pools.
+
+    The model owns the projections and the output norm; the bound `impl` owns what touches
+    per-request state (causal conv, decay/beta, delta rule), so Qwen3.5's differently
+    packed projections can reuse it. Bound by the builder: `impl`, `conv_state`
+    [slots, conv_dim, K-1], `ssm_state` [slots, num_v_heads, head_k_dim, head_v_dim].
+    """
+
+    attn_type = "gdn"
+
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by Qwen3-Next's GDN conv; only 'silu'")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
+            padding=self.conv_kernel_size - 1,
+        )
+        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.impl = None
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.impl is None:
+            raise RuntimeError(f"GDN layer {self.layer_id} has no state bound; run it through a ModelRunner")
+        n = h.shape[0]
+        hk, g = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        # Projections are grouped per key head: [q | k | v (g heads) | z (g heads)], [b (g) | a (g)].
+        qkvz = self.in_proj_qkvz(h).view(n, hk, 2 * dk + 2 * g * dv)
+        q, k, v, z = qkvz.split([dk, dk, g * dv, g * dv], dim=-1)
+        ba = self.in_proj_ba(h).view(n, hk, 2 * g)
+        b, a = ba.split([g, g], dim=-1)
+        mixed_qkv = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        meta = get_forward_context().attn_metadata_by_type[self.attn_type]
+        core = self.impl.forward(self, mixed_qkv, b.reshape(n, -1), a.reshape(n, -1), meta)  # [n, Hv, Dv]
+        out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(n, self.value_dim)
+        return self.out_proj(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"type={self.attn_type}, k_heads={self.num_k_heads}, v_heads={self.num_v_heads}, "
+            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, layer={self.layer_id}"
+        )
+
+
+def partial_rope_dim(cfg: Any) -> int:
+    """Rope rotates the first `partial_rotary_factor` of each attention head."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    factor = rope_parameters(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
+class Qwen3NextAttention(nn.Module):
+    """Full attention: q_proj gives [query | gate] per head; zero-centred q/k norms; partial rope;
+    the output is scaled by sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.num_heads = nq = cfg.num_attention_heads
+        self.num_kv_heads = nkv = getattr(cfg, "num_key_value_heads", None) or nq
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
+        self.rope_dim = partial_rope_dim(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": nq * d * 2, "k": nkv * d, "v": nkv * d}, bias)
+        self.o_proj = Linear(nq * d, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.attn = Attention(nq, d, d**-0.5, nkv, layer_id, attn_type="mha")
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dim
+        if r == x.shape[-1]:
+            return apply_rotary(x.contiguous(), cos, sin)
+        return torch.cat((apply_rotary(x[..., :r].contiguous(), cos, sin), x[..., r:]), dim=-1)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n, d, nq, nkv = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qg, k, v = self.qkv_proj.split(self.qkv_proj(h))
+        qg = qg.view(n, nq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(n, nq * d)
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(k.reshape(n, nkv, d)), cos, sin)
+        out = self.attn(q.reshape(n, nq * d), k.reshape(n, nkv * d), v.contiguous())
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.layer_type = layer_types_of(cfg)[layer_id]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3NextGatedDeltaNet(cfg, layer_id)
+        elif self.layer_type == "full_attention":
+            self.self_attn = Qwen3NextAttention(cfg, layer_id)
+        else:
+            raise ValueError(f"layer {layer_id}: layer type {self.layer_type!r} is not supported")
+        if is_sparse_layer(cfg, layer_id):
+            self.mlp = Qwen3NextSparseMoeBlock(cfg)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.layer_type == "linear_attention":
+            h = h + self.linear_attn(x)
+        else:
+            h = h + self.self_attn(x, cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3NextModel(LlamaModel):
+    layer_cls = Qwen3NextDecoderLayer
+    norm_cls = ZeroCenteredRMSNorm
+    rope_dim = staticmethod(partial_rope_dim)
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3NextModel  # Llama's packed_modules_mapping: the same fused q/k/v and gate/up
+    _experts = FusedMoE.checkpoint_mapping()
+
+    @classmethod
+    def map_checkpoint_name(cls, name: str):
+        """Hub per-expert `mlp.experts.{e}.gate_proj|up_proj|down_proj` -> stacked experts; the
+        multi-token-prediction head (`mtp.*`, for speculative decoding) is not loaded."""
+        if name.startswith("mtp."):
+            return SKIP
+        return cls._experts(name)

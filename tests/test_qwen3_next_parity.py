@@ -1,0 +1,172 @@
+"""Qwen3-Next (Gated DeltaNet + gated full attention + MoE with a shared expert) against transformers.
+
+Float32 greedy tokens, and the logits that produced them, for a tiny random model whose
+layers 0-2 are GDN ("gdn" builder: per-request conv and recurrent state) and layer 3 full
+attention ("mha"). GDN state must carry across chunked-prefill cuts at any token, across
+decode steps, through preemption (recompute from position 0), and must not leak from one
+request to the next one that reuses its state group. The per-request pools start as NaN,
+so nothing may rely on a clean pool. transformers' pure-torch GDN path ignores packed
+sequences, so the oracle runs one prompt at a time (`check_against_hf`, `hf_greedy`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+
+NEW = 12
+POLICIES = ["prefill_first", "mixed", "spyre"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("qwen3_next")
+    return folder, build_tiny_model("qwen3_next", folder)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    """transformers' greedy continuation of a prompt, computed once per prompt."""
+    _, model = tiny
+    cache = {}
+
+    def greedy(prompt, n=NEW):
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = hf_greedy(model, prompt, n)
+        return cache[key]
+
+    return greedy
+
+
+def make_engine(folder, **config) -> LLMEngine:
+    config.setdefault("num_kvcache_blocks", 96)
+    config.setdefault("max_model_len", 512)
+    engine = LLMEngine(folder, dtype="float32", **config)
+    # Stale state from an earlier request is what a reused group holds: start from garbage.
+    for t in engine.runner.per_req_cache_tensors.values():
+        t.fill_(float("nan"))
+    # Unwritten KV slots of the full-attention layer too (the null block past the pool stays zero).
+    engine.runner.kv_cache_tensors["kv_cache"][:, :, :, : config["num_kvcache_blocks"]].fill_(float("nan"))
+    return engine
+
+
+def record_gdn_rows(engine) -> list[tuple[int, int, bool]]:
+    """(first position, tokens, step also has decode rows) of every prompt-chunk row the GDN builder sees."""
+    rows = []
+    builder = engine.runner.attn_builders["gdn"]
+    original = builder.build
+
+    def build(batch):
+        meta = original(batch)
+        gm = meta.extra["gdn"]
+        for r in gm.prefill_rows:
+            first, n = int(batch.num_computed_tokens[r]), int(batch.num_scheduled_tokens[r])
+            rows.append((first, n, len(gm.decode_rows) > 0))
+        return meta
+
+    builder.build = build
+    return rows
+
+
+def test_model_is_what_the_parity_is_about(tiny):
+    folder, hf = tiny
+    engine = make_engine(folder)
+    runner = engine.runner
+    assert set(runner.attn_builders) == {"gdn", "mha"}
+    gdn = runner.attn_builders["gdn"]
+    assert gdn.compute_block_bytes() == 0 and gdn.compute_per_req_cache_bytes() > 0
+    assert len(gdn.layers) == 3 and len(runner.attn_builders["mha"].layers) == 1
+    assert runner.num_per_req_cache_groups == engine.config.max_num_seqs
+    assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    from atom_models.qwen3_next import Qwen3NextSparseMoeBlock
+
+    assert [isinstance(layer.mlp, Qwen3NextSparseMoeBlock) for layer in runner.model.model.layers] == [
+        True, False, True, True
+    ]
+
+
+def test_batch_of_prompts_matches_transformers(tiny):
+    folder, model = tiny
+    engine = make_engine(folder)
+    prompts = random_prompts((1, 5, 16, 17, 33, 70, 130), seed=3)
+    results, logits = run_with_logits(engine, prompts, max_tokens=NEW)
+    check_against_hf(model, prompts, results, logits)
+
+
+@pytest.mark.parametrize(
+    "policy, budget", [("prefill_first", 13), ("mixed", 13), ("prefill_first", 48), ("mixed", 48), ("spyre", 48)]
+)
+def test_chunked_prompts_match_transformers(tiny, policy, budget):
+    folder, model = tiny
+    # Chunks are floored to whole blocks unless that leaves a step empty: a budget under one
+    # block (13) cuts prompts every 13 tokens, mid-block; 48 cuts on block boundaries and,
+    # under `mixed`, shares steps between decode rows and prompt chunks.
+    extra = dict(prefill_chunk_size=32) if policy == "spyre" else {}
+    engine = make_engine(folder, scheduling_policy=policy, max_num_batched_tokens=budget, **extra)
+    rows = record_gdn_rows(engine)
+    prompts = random_prompts((1, 15, 16, 17, 47, 49, 100), seed=4)
+    results, logits = run_with_logits(engine, prompts, max_tokens=NEW)
+    check_against_hf(model, prompts, results, logits)
+    continued = [(f, n) for f, n, _ in rows if f > 0]
+    assert continued, "no prompt was chunked"
+    if budget < 16:
+        assert any(f % 16 for f, _ in continued), f"every cut fell on a block boundary: {continued}"
+    if policy == "mixed" and budget >= 16:
+        assert any(with_decode for f, _, with_decode in rows if f > 0), "no step mixed decode rows and prompt chunks"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_recomputes_state_from_scratch(tiny, oracle, policy):
+    folder, _ = tiny
+    extra = dict(prefill_chunk_size=48) if policy == "spyre" else {}
+    engine = make_engine(
+        folder, scheduling_policy=policy, num_kvcache_blocks=12, max_num_seqs=6, max_model_len=160,
+        max_num_batched_tokens=48, **extra,
+    )
+    preempted = []
+    original = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
+    prompts = random_prompts((20, 120, 5, 60, 33, 90), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = engine.generate(prompts, params, use_tqdm=False)
+    assert preempted
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == oracle(prompt, 24), f"prompt of {len(prompt)} tokens"
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert len(bm.per_req_cache_free_groups) == bm.num_per_req_cache_groups
+
+
+def test_reused_state_group_leaks_nothing(tiny, oracle):
+    folder, _ = tiny
+    a, b = random_prompts((40, 23), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    alone = make_engine(folder, max_num_seqs=1).generate([b], params, use_tqdm=False)[0]["token_ids"]
+    engine = make_engine(folder, max_num_seqs=1, max_num_batched_tokens=16)  # B's prompt in two chunks
+    groups = []
+    original = engine.scheduler.block_manager.allocate
+
+    def allocate(seq, *args, **kwargs):
+        out = original(seq, *args, **kwargs)
+        groups.append(seq.per_req_cache_group)
+        return out
+
+    engine.scheduler.block_manager.allocate = allocate
+    first = engine.generate([a], params, use_tqdm=False)[0]["token_ids"]
+    second = engine.generate([b], params, use_tqdm=False)[0]["token_ids"]
+    assert set(groups) == {0}  # one group, A's then B's
+    assert first == oracle(a)
+    assert second == alone == oracle(b)
+
+
+def test_prefix_caching_is_refused(tiny):
+    folder, _ = tiny
+    with pytest.raises(ValueError, match="prefix caching"):
+        LLMEngine(folder, dtype="float32", num_kvcache_blocks=16, max_model_len=128, enable_prefix_caching=True)
