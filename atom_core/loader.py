@@ -56,7 +56,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                 mapped = mapper(name) if mapper is not None else None
                 if mapped == SKIP:
                     continue
-                target, shard = mapped if mapped is not None else _target(name, mapping)
+                target, shard = mapped if mapped is not None else packed_target(name, mapping)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(
@@ -85,7 +85,9 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
         raise ValueError(f"the checkpoint in {folder} lacks tensors for: {', '.join(missing)}")
 
 
-def _target(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+def packed_target(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """(parameter name, shard) for a checkpoint tensor through `packed_modules_mapping`;
+    public so a model's `map_checkpoint_name` can rename first and map the rest as usual."""
     for ckpt, (fused, shard) in mapping.items():
         key = f".{ckpt}."
         if key in name:

@@ -10,6 +10,8 @@ def atom_register_models(registry):
     registry.register("Qwen3ForCausalLM", "atom_models.qwen3:Qwen3ForCausalLM")
     registry.register("Qwen3MoeForCausalLM", "atom_models.qwen3_moe:Qwen3MoeForCausalLM")
     registry.register("Qwen3NextForCausalLM", "atom_models.qwen3_next:Qwen3NextForCausalLM")
+    registry.register("Qwen3_5ForCausalLM", "atom_models.qwen3_5:Qwen3_5ForCausalLM")
+    registry.register("Qwen3_5MoeForCausalLM", "atom_models.qwen3_5:Qwen3_5MoeForCausalLM")
     registry.register("MixtralForCausalLM", "atom_models.mixtral:MixtralForCausalLM")
     registry.register("DeepseekV2ForCausalLM", "atom_models.deepseek_v2:DeepseekV2ForCausalLM")
     registry.register("DeepseekV3ForCausalLM", "atom_models.deepseek_v2:DeepseekV3ForCausalLM")

@@ -133,9 +133,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.impl is None:
-            raise RuntimeError(f"GDN layer {self.layer_id} has no state bound; run it through a ModelRunner")
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`h` [n, hidden] -> mixed_qkv [n, conv_dim] (all q, then k, then v), z [n, value_dim],
+        b and a [n, num_v_heads]; Qwen3.5 overrides this for its flat projections."""
         n = h.shape[0]
         hk, g = self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
@@ -145,8 +145,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         ba = self.in_proj_ba(h).view(n, hk, 2 * g)
         b, a = ba.split([g, g], dim=-1)
         mixed_qkv = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        return mixed_qkv, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.impl is None:
+            raise RuntimeError(f"GDN layer {self.layer_id} has no state bound; run it through a ModelRunner")
+        n, dv = h.shape[0], self.head_v_dim
+        mixed_qkv, z, b, a = self.project(h)
         meta = get_forward_context().attn_metadata_by_type[self.attn_type]
-        core = self.impl.forward(self, mixed_qkv, b.reshape(n, -1), a.reshape(n, -1), meta)  # [n, Hv, Dv]
+        core = self.impl.forward(self, mixed_qkv, b, a, meta)  # [n, Hv, Dv]
         out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(n, self.value_dim)
         return self.out_proj(out)
 
@@ -199,21 +206,25 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
+    gdn_cls = Qwen3NextGatedDeltaNet
+
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
         self.layer_type = layer_types_of(cfg)[layer_id]
         if self.layer_type == "linear_attention":
-            self.linear_attn = Qwen3NextGatedDeltaNet(cfg, layer_id)
+            self.linear_attn = self.gdn_cls(cfg, layer_id)
         elif self.layer_type == "full_attention":
             self.self_attn = Qwen3NextAttention(cfg, layer_id)
         else:
             raise ValueError(f"layer {layer_id}: layer type {self.layer_type!r} is not supported")
-        if is_sparse_layer(cfg, layer_id):
-            self.mlp = Qwen3NextSparseMoeBlock(cfg)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = self.make_mlp(cfg, layer_id)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        if is_sparse_layer(cfg, layer_id):
+            return Qwen3NextSparseMoeBlock(cfg)
+        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.input_layernorm(h)

@@ -30,6 +30,24 @@ DEEPSEEK_SHAPES = dict(
     tie_word_embeddings=False,
 )
 
+QWEN3_5_SHAPES = dict(
+    num_hidden_layers=4,
+    full_attention_interval=4,  # layer_types derived: 3 linear : 1 full
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-5,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=5000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+)
+
 ARCHS = {
     "llama": dict(
         cls="LlamaForCausalLM",
@@ -128,6 +146,25 @@ ARCHS = {
             shared_expert_intermediate_size=48,
             mlp_only_layers=[1],
             tie_word_embeddings=False,
+        ),
+        bf16_routing_flips=True,
+    ),
+    # Qwen3.5 text models (tests/test_qwen3_5_parity.py): layers 0-2 Gated DeltaNet with flat in_proj_qkv/z/b/a,
+    # layer 3 gated full attention; rope_parameters as the real configs write them (interleaved M-RoPE sections,
+    # plain rope for text-only positions). Dense MLPs, or routed + shared expert on every layer.
+    "qwen3_5": dict(
+        cls="Qwen3_5ForCausalLM",
+        config="Qwen3_5TextConfig",
+        attention="gdn",
+        kwargs=dict(QWEN3_5_SHAPES, intermediate_size=96, tie_word_embeddings=False),
+    ),
+    "qwen3_5_moe": dict(
+        cls="Qwen3_5MoeForCausalLM",
+        config="Qwen3_5MoeTextConfig",
+        attention="gdn",
+        kwargs=dict(
+            QWEN3_5_SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, tie_word_embeddings=False,
         ),
         bf16_routing_flips=True,
     ),
