@@ -311,3 +311,18 @@ def check_against_hf(model, prompts, results, logits):
         ref = hf_logits(model, prompt + result["token_ids"][:-1])[len(prompt) - 1 :]
         assert steps.shape == ref.shape
         torch.testing.assert_close(steps, ref, atol=1e-4, rtol=0)
+
+
+def make_gdn_engine(folder, **config):
+    """An engine on a GDN hybrid whose state pools and KV slots start as NaN: stale state is
+    what a reused group holds, and nothing may rely on a clean pool."""
+    from atom_core.llm_engine import LLMEngine
+
+    config.setdefault("num_kvcache_blocks", 96)
+    config.setdefault("max_model_len", 512)
+    engine = LLMEngine(folder, dtype="float32", **config)
+    for t in engine.runner.per_req_cache_tensors.values():
+        t.fill_(float("nan"))
+    # The null block past the pool stays zero.
+    engine.runner.kv_cache_tensors["kv_cache"][:, :, :, : config["num_kvcache_blocks"]].fill_(float("nan"))
+    return engine

@@ -1,4 +1,6 @@
-"""Qwen3.5 text models (dense and MoE) against transformers.
+"""Qwen3.5 text models (dense and MoE): their layout, and the multimodal checkpoint layout.
+
+Token parity under every policy, chunking and preemption is in `test_gdn_parity.py`.
 
 Float32 greedy tokens, and the logits that produced them, for tiny random models whose layers
 0-2 are Gated DeltaNet with Qwen3.5's flat projections (`in_proj_qkv` / `in_proj_z` /
@@ -19,9 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
-from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+from model_utils import build_tiny_model, check_against_hf, random_prompts, run_with_logits  # noqa: E402
+from model_utils import make_gdn_engine as make_engine  # noqa: E402
 
 NEW = 10
 
@@ -31,32 +32,6 @@ def tiny(request, tmp_path_factory):
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, build_tiny_model(request.param, folder)
-
-
-def make_engine(folder, **config) -> LLMEngine:
-    config.setdefault("num_kvcache_blocks", 96)
-    config.setdefault("max_model_len", 512)
-    engine = LLMEngine(folder, dtype="float32", **config)
-    for t in engine.runner.per_req_cache_tensors.values():  # stale state is what a reused group holds
-        t.fill_(float("nan"))
-    engine.runner.kv_cache_tensors["kv_cache"][:, :, :, : config["num_kvcache_blocks"]].fill_(float("nan"))
-    return engine
-
-
-def record_prompt_chunks(engine) -> list[tuple[int, bool]]:
-    """(first position, step also has decode rows) of every prompt-chunk row the GDN builder sees."""
-    rows = []
-    builder = engine.runner.attn_builders["gdn"]
-    original = builder.build
-
-    def build(batch):
-        meta = original(batch)
-        gm = meta.extra["gdn"]
-        rows.extend((int(batch.num_computed_tokens[r]), len(gm.decode_rows) > 0) for r in gm.prefill_rows)
-        return meta
-
-    builder.build = build
-    return rows
 
 
 def test_model_is_what_the_parity_is_about(tiny):
@@ -74,55 +49,6 @@ def test_model_is_what_the_parity_is_about(tiny):
     assert [isinstance(getattr(la, "linear_attn", None), Qwen3_5GatedDeltaNet) for la in layers] == [True] * 3 + [False]
     mlp = Qwen3_5MoeSparseMoeBlock if name == "qwen3_5_moe" else DenseMLP
     assert all(type(la.mlp) is mlp for la in layers)
-
-
-def test_batch_of_prompts_matches_transformers(tiny):
-    _, folder, model = tiny
-    engine = make_engine(folder)
-    prompts = random_prompts((1, 5, 16, 17, 33, 70, 130), seed=3)
-    results, logits = run_with_logits(engine, prompts, max_tokens=NEW)
-    check_against_hf(model, prompts, results, logits)
-
-
-@pytest.mark.parametrize(
-    "policy, budget", [("prefill_first", 13), ("mixed", 13), ("prefill_first", 48), ("mixed", 48), ("spyre", 48)]
-)
-def test_chunked_prompts_match_transformers(tiny, policy, budget):
-    _, folder, model = tiny
-    extra = dict(prefill_chunk_size=48) if policy == "spyre" else {}
-    engine = make_engine(folder, scheduling_policy=policy, max_num_batched_tokens=budget, **extra)
-    rows = record_prompt_chunks(engine)
-    prompts = random_prompts((1, 15, 17, 47, 49, 100), seed=4)
-    results, logits = run_with_logits(engine, prompts, max_tokens=NEW)
-    check_against_hf(model, prompts, results, logits)
-    continued = [(f, d) for f, d in rows if f > 0]
-    assert continued, "no prompt was chunked"
-    if budget < 16:
-        assert any(f % 16 for f, _ in continued), f"every cut fell on a block boundary: {continued}"
-    if policy == "mixed" and budget >= 16:
-        assert any(d for _, d in continued), "no step mixed decode rows and prompt chunks"
-
-
-@pytest.mark.parametrize("policy", ["prefill_first", "mixed", "spyre"])
-def test_preemption_recomputes_state_from_scratch(tiny, policy):
-    _, folder, model = tiny
-    extra = dict(prefill_chunk_size=48) if policy == "spyre" else {}
-    engine = make_engine(
-        folder, scheduling_policy=policy, num_kvcache_blocks=12, max_num_seqs=6, max_model_len=160,
-        max_num_batched_tokens=48, **extra,
-    )
-    preempted = []
-    original = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
-    prompts = random_prompts((20, 120, 5, 60, 33, 90), seed=7)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    results = engine.generate(prompts, params, use_tqdm=False)
-    assert preempted
-    for prompt, result in zip(prompts, results):
-        assert result["token_ids"] == hf_greedy(model, prompt, 20), f"prompt of {len(prompt)} tokens"
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert len(bm.per_req_cache_free_groups) == bm.num_per_req_cache_groups
 
 
 def test_multimodal_checkpoint_layout_loads_text_model(tiny, tmp_path, caplog):
