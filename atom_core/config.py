@@ -76,6 +76,8 @@ class Config:
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
     # How many KV blocks one group's bytes are worth, for sizing the pool.
     per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
+    # Precision of Gated DeltaNet per-request state: "float32" (exact) or "bfloat16" (half the memory).
+    gdn_state_dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
     # -- model execution (read by the model runner and the engine) --
     # "auto" takes the checkpoint's dtype; "float32", "bfloat16" or "float16" force one.
     dtype: str = attrs.field(default="auto", validator=_dtype)

@@ -157,3 +157,48 @@ def test_prefix_caching_is_refused(tiny):
     folder, _ = tiny
     with pytest.raises(ValueError, match="prefix caching"):
         LLMEngine(folder, dtype="float32", num_kvcache_blocks=16, max_model_len=128, enable_prefix_caching=True)
+
+
+def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
+    """Shapes only (meta device): 12 full-attention layers take paged blocks, 36 GDN layers
+    one conv state [8192, 3] and one recurrent state [32, 128, 128] each per request."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3NextConfig
+
+    from atom_attention.gdn import GDNMetadataBuilder
+    from atom_attention.mha import MHAMetadataBuilder
+    from atom_models.qwen3_next import Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig()  # transformers' defaults are Qwen3-Next-80B-A3B's shapes
+    assert (cfg.num_hidden_layers, cfg.linear_num_value_heads, cfg.head_dim) == (48, 32, 256)
+    with torch.device("meta"):
+        model = Qwen3NextForCausalLM(cfg)
+    layers = {kind: [m for m in model.modules() if getattr(m, "attn_type", None) == kind] for kind in ("mha", "gdn")}
+    assert (len(layers["mha"]), len(layers["gdn"])) == (12, 36)
+
+    def runner(state_dtype):
+        config = SimpleNamespace(kv_cache_block_size=16, gdn_state_dtype=state_dtype, enable_prefix_caching=False)
+        return SimpleNamespace(config=config, hf_config=cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
+
+    mha = MHAMetadataBuilder(runner("float32"), layers["mha"])
+    assert mha.compute_block_bytes() == 2 * 12 * 16 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
+    conv_dim = 2 * 16 * 128 + 32 * 128
+    per_layer = conv_dim * (4 - 1) + 32 * 128 * 128
+    assert GDNMetadataBuilder(runner("float32"), layers["gdn"]).compute_per_req_cache_bytes() == 36 * per_layer * 4
+    assert GDNMetadataBuilder(runner("bfloat16"), layers["gdn"]).compute_per_req_cache_bytes() == 36 * per_layer * 2
+    assert 36 * per_layer * 4 == 79_036_416  # about 75 MiB of state per request, whatever its length
+
+
+def test_bfloat16_state_halves_the_groups_and_still_generates(tiny, oracle):
+    folder, _ = tiny
+    with pytest.raises(ValueError, match="gdn_state_dtype"):
+        make_engine(folder, gdn_state_dtype="float16")
+    engine = make_engine(folder, gdn_state_dtype="bfloat16")
+    assert {t.dtype for t in engine.runner.per_req_cache_tensors.values()} == {torch.bfloat16}
+    full = make_engine(folder).runner.attn_builders["gdn"].compute_per_req_cache_bytes()
+    assert engine.runner.attn_builders["gdn"].compute_per_req_cache_bytes() * 2 == full
+    prompt = random_prompts((30,), seed=11)[0]
+    result = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
+    # Rounded state drifts from the float32 oracle eventually; the first tokens agree.
+    assert result["finish_reason"] == "max_tokens" and result["token_ids"][:2] == oracle(prompt)[:2]
