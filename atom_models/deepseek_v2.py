@@ -22,13 +22,12 @@ from atom_core.layers import (
     RMSNorm,
     apply_rotary,
     apply_rotary_interleaved,
-    silu_and_mul,
 )
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
 from atom_core.loader import SKIP
-from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 def softmax_scale(cfg: Any) -> float:
@@ -78,16 +77,6 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(self.attn(q[..., : self.nope], q_pe, c_kv, k_pe))
 
 
-class DeepseekMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class DeepseekGate(nn.Module):
     """Router weights (and V3's selection bias), scored in float32 as transformers does."""
 
@@ -119,7 +108,7 @@ class DeepseekV2MoE(nn.Module):
         self.gate = DeepseekGate(cfg, self.correction_bias)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         shared = getattr(cfg, "n_shared_experts", None)
-        self.shared_experts = DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared) if shared else None
+        self.shared_experts = LlamaMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared) if shared else None
 
     @staticmethod
     def routing_method(cfg: Any) -> str:
@@ -163,7 +152,7 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
         if is_moe_layer(cfg, layer_id):
             return self.moe_cls(cfg)
-        return DeepseekMLP(cfg.hidden_size, cfg.intermediate_size)
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class DeepseekV2Model(LlamaModel):

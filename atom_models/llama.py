@@ -47,16 +47,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any):
+    """The gated SiLU feed-forward every family here uses (shared experts and dense layers too)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LlamaMLP:
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported by this model; only 'silu'")
-        self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, bias
-        )
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        return cls(cfg.hidden_size, cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
@@ -74,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
         """The feed-forward block of layer `layer_id` (MoE families return a sparse block here)."""
-        return LlamaMLP(cfg)
+        return LlamaMLP.from_config(cfg)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)

@@ -25,9 +25,8 @@ from torch import nn
 
 from atom_core.layers import MergedLinear
 from atom_core.loader import SKIP, packed_target
-from atom_models.llama import LlamaForCausalLM
+from atom_models.llama import LlamaForCausalLM, LlamaMLP
 from atom_models.qwen3_next import (
-    DenseMLP,
     Qwen3NextDecoderLayer,
     Qwen3NextForCausalLM,
     Qwen3NextGatedDeltaNet,
@@ -61,7 +60,7 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
     gdn_cls = Qwen3_5GatedDeltaNet
 
     def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
-        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class Qwen3_5MoeSparseMoeBlock(Qwen3NextSparseMoeBlock):

@@ -25,7 +25,7 @@ def is_sparse_layer(cfg: Any, layer_id: int) -> bool:
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
         if not is_sparse_layer(cfg, layer_id):
-            return LlamaMLP(cfg)
+            return LlamaMLP.from_config(cfg)
         return SparseMoeBlock(
             cfg.hidden_size,
             cfg.num_experts,

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core.forward_context import get_forward_context
-from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary, silu_and_mul
+from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary
 from atom_core.layers.rotary import rope_parameters
 from atom_core.loader import SKIP
-from atom_models.llama import LlamaForCausalLM, LlamaModel
+from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock
 
@@ -63,16 +63,6 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(z.float())).to(dtype)
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
-
-
 class Qwen3NextSparseMoeBlock(SparseMoeBlock):
     """Softmax-routed experts plus a shared expert scaled by `sigmoid(shared_expert_gate(h))`."""
 
@@ -84,7 +74,7 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
             cfg.moe_intermediate_size,
             renormalize=bool(getattr(cfg, "norm_topk_prob", True)),
         )
-        self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -224,7 +214,7 @@ class Qwen3NextDecoderLayer(nn.Module):
     def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
         if is_sparse_layer(cfg, layer_id):
             return Qwen3NextSparseMoeBlock(cfg)
-        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.input_layernorm(h)

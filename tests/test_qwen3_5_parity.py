@@ -43,11 +43,11 @@ def test_model_is_what_the_parity_is_about(tiny):
     assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert len(hf.config.rope_parameters["mrope_section"]) == 3  # rope as the real configs write it
     from atom_models.qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5MoeSparseMoeBlock
-    from atom_models.qwen3_next import DenseMLP
+    from atom_models.llama import LlamaMLP
 
     layers = runner.model.model.layers
     assert [isinstance(getattr(la, "linear_attn", None), Qwen3_5GatedDeltaNet) for la in layers] == [True] * 3 + [False]
-    mlp = Qwen3_5MoeSparseMoeBlock if name == "qwen3_5_moe" else DenseMLP
+    mlp = Qwen3_5MoeSparseMoeBlock if name == "qwen3_5_moe" else LlamaMLP
     assert all(type(la.mlp) is mlp for la in layers)
 
 
