@@ -26,6 +26,19 @@ def make_scheduler(**config) -> Scheduler:
     return Scheduler(Config(**config))
 
 
+def record_preemptions(scheduler) -> list[int]:
+    """Ids of the requests `scheduler` preempts from now on, in order."""
+    preempted: list[int] = []
+    original = scheduler.preempt
+
+    def preempt(seq):
+        preempted.append(seq.id)
+        original(seq)
+
+    scheduler.preempt = preempt
+    return preempted
+
+
 def is_prefill(batch) -> bool:
     return batch.total_seqs_num_prefill > 0
 

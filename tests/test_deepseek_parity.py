@@ -25,6 +25,7 @@ from model_utils import (  # noqa: E402
     random_prompts,
     run_with_logits,
 )
+from conftest import record_preemptions  # noqa: E402
 
 MLA_ARCHS = sorted(n for n, s in ARCHS.items() if s.get("attention") == "mla")
 POLICIES = ["prefill_first", "mixed", "spyre"]
@@ -96,9 +97,7 @@ def test_portable_torch_path_matches_transformers(tiny, monkeypatch):
 def test_preemption_mid_generation_matches_transformers(tiny):
     folder, _, oracle = tiny
     engine = make_engine(folder, 8, max_model_len=128)
-    preempted = []
-    original = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
+    preempted = record_preemptions(engine.scheduler)
     prompts = random_prompts((1, 15, 16, 17, 40))
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), False)
     assert len(preempted) >= 2
@@ -132,9 +131,7 @@ def test_preemption_with_chunked_prompts_under_every_policy(tiny, policy):
         folder, 12, max_num_seqs=6, max_model_len=160, max_num_batched_tokens=48, prefill_chunk_size=48,
         scheduling_policy=policy,
     )
-    preempted = []
-    original = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
+    preempted = record_preemptions(engine.scheduler)
     prompts = random_prompts((20, 120, 5, 60, 33, 90), seed=7)
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert len(preempted) >= 1

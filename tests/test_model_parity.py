@@ -19,6 +19,7 @@ from model_utils import (  # noqa: E402
     random_prompts,
     run_with_logits,
 )
+from conftest import record_preemptions  # noqa: E402
 
 PROMPT_LENS = (1, 15, 16, 17, 40)  # around the 16-token block edges
 
@@ -80,9 +81,7 @@ def test_preemption_mid_generation_matches_transformers(tiny):
     folder, model = tiny
     # 8 blocks of 16 tokens: five requests growing to 209 tokens in all cannot all stay.
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=8, max_model_len=128)
-    preempted = []
-    original = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
+    preempted = record_preemptions(engine.scheduler)
     prompts = random_prompts(PROMPT_LENS)
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), False)
     assert len(preempted) >= 2

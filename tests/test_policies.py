@@ -15,7 +15,7 @@ from atom_core import (
     hookimpl,
 )
 from atom_core.policy import SchedulingPolicy, StepBuilder
-from conftest import make_seq
+from conftest import make_seq, record_preemptions
 
 
 def sched_for(policy: str, **config) -> Scheduler:
@@ -160,9 +160,7 @@ def test_preempting_a_partial_prefill_frees_its_blocks_and_restarts_it():
     sched.add(b)
     run_step(sched)  # a decodes; b's first chunk: the 31 tokens left floored to 16
     assert b.num_computed_tokens > 0 and b.type == SequenceType.PREFILL
-    preempted = []
-    original = sched.preempt
-    sched.preempt = lambda s: (preempted.append(s.id), original(s))
+    preempted = record_preemptions(sched)
     while b.id not in preempted and sched.has_unfinished_requests():
         run_step(sched)
     assert b.id in preempted

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+from conftest import record_preemptions  # noqa: E402
 
 POLICIES = ["prefill_first", "mixed", "spyre"]
 NEW = 12
@@ -66,9 +67,7 @@ def test_preemption_with_chunked_prompts_matches_transformers(tiny, policy):
     # 12 blocks of 16 tokens for prompts of up to 120 tokens that grow by 24: requests are
     # preempted, some of them partway through their prompt.
     engine = engine_for(folder, policy, num_kvcache_blocks=12, max_num_seqs=6, max_model_len=160)
-    preempted = []
-    original = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda seq: (preempted.append(seq.id), original(seq))
+    preempted = record_preemptions(engine.scheduler)
     prompts = random_prompts((20, 120, 5, 60, 33, 90), seed=7)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = engine.generate(prompts, params, use_tqdm=False)
