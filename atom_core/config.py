@@ -29,13 +29,41 @@ def _dtype(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
 
 
+def _name(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"speculative_config.{attr.name} must be a non-empty name, got {value!r}")
+
+
+def _rate(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"speculative_config.{attr.name} must be in [0, 1], got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class SpeculativeConfig:
-    """Draft-and-verify decoding: each decode step checks `num_speculative_tokens` drafts."""
+    """Draft-and-verify decoding: each decode step checks up to `num_speculative_tokens` drafts.
 
-    method: str = "mtp"
+    `method` names a proposer ("mtp", "eagle3", "ngram", or a plugin's), `verifier` the
+    rejection sampler. A request whose recent acceptance rate falls below
+    `min_acceptance_rate` stops drafting for `draft_retry_after` tokens (0 disables the gate).
+    """
+
+    method: str = attrs.field(default="mtp", validator=_name)
     model: str | None = None
     num_speculative_tokens: int = attrs.field(default=1, validator=positive)
+    # n-gram prompt lookup: suffix lengths tried, longest first.
+    prompt_lookup_min: int = attrs.field(default=1, validator=positive)
+    prompt_lookup_max: int = attrs.field(default=4, validator=positive)
+    verifier: str = attrs.field(default="rejection", validator=_name)
+    min_acceptance_rate: float = attrs.field(default=0.2, validator=_rate)
+    draft_retry_after: int = attrs.field(default=16, validator=positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
 
 
 def _speculative_config(value: object) -> SpeculativeConfig | None:
@@ -78,6 +106,12 @@ class Config:
     per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
     # Precision of Gated DeltaNet per-request state: "float32" (exact) or "bfloat16" (half the memory).
     gdn_state_dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
+    # State checkpoints for prefix caching on a model with per-request state (GDN hybrids):
+    # copies of the state at block boundaries, kept least recently used first, each as big
+    # as a group and paid from the same budget. Used only with enable_prefix_caching on such
+    # a model, where 0 is refused (no prefix could ever be resumed). Named after its only
+    # user today; the mechanism serves any attention builder with per-request state.
+    gdn_checkpoint_slots: int = attrs.field(default=16, validator=non_negative_int)
     # -- model execution (read by the model runner and the engine) --
     # "auto" takes the checkpoint's dtype; "float32", "bfloat16" or "float16" force one.
     dtype: str = attrs.field(default="auto", validator=_dtype)

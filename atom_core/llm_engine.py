@@ -82,6 +82,8 @@ class LLMEngine:
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
         self.scheduler = Scheduler(self.config)
+        if self.tokenizer is not None:
+            self.scheduler.stop_string_check = self._hit_stop_string
         self._requests: dict[int, _Request] = {}
         self.timings = self.runner.timings  # seconds per phase, summed over steps
 
@@ -195,12 +197,13 @@ class LLMEngine:
                 if req.num_cached_tokens is None:  # its first step: the prefix it found cached
                     req.num_cached_tokens = cached
             self.scheduler.postprocess(seqs, output)
-            for seq in seqs.values():
-                if seq.stop_strings and not seq.is_finished and self._hit_stop_string(seq):
-                    self.scheduler.abort(seq.id, reason="stop")
             self.timings["postprocess"] += time.perf_counter() - t1
             self.timings["steps"] += 1
         return self._collect(scheduled[1].values() if scheduled else ())
+
+    def get_spec_stats(self) -> dict[str, Any]:
+        """Speculative-decoding counts with vLLM's meanings (all zero without speculation)."""
+        return self.scheduler.spec_stats.as_dict()
 
     def _collect(self, seqs) -> list[dict[str, Any]]:
         done = [s for s in seqs if s.is_finished] + self.scheduler.pop_finished()

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from atom_core.attention import AttentionMetadataBuilder
@@ -24,6 +25,7 @@ from atom_core.plugins import get_registry
 from atom_core.sampler import SamplingMetadata
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sequence import Sequence
+from atom_core.speculative import ProposalInput, Proposer, wanted_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of free host memory the KV pool takes when neither kv_cache_memory nor
@@ -81,7 +83,18 @@ class ModelRunner:
             raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")
         model_cls = get_registry("models", pm).get(archs[0])
         self.model = self._build_model(model_cls)
-        self.attn_layers = [m for m in self.model.modules() if getattr(m, "attn_type", None)]
+        spec = config.speculative_config
+        # A proposer with weights (a draft layer, an EAGLE head) builds them here; its
+        # attention layers join the target's below and take KV from the same pool.
+        self.proposer: Proposer | None = get_registry("proposers", pm).get(spec.method)(self, spec) if spec else None
+        self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
+        draft_modules = self.proposer.draft_modules() if self.proposer else []
+        self._aux_hidden: list[torch.Tensor] = []
+        if self.proposer and self.proposer.aux_hidden_layers:
+            self._capture_aux_hidden(self.proposer.aux_hidden_layers)
+        self.attn_layers = [
+            m for root in [self.model, *draft_modules] for m in root.modules() if getattr(m, "attn_type", None)
+        ]
         if not self.attn_layers:
             raise ValueError(f"{archs[0]} has no attention layers (modules with an `attn_type`)")
         by_type: dict[str, list[torch.nn.Module]] = {}
@@ -111,6 +124,22 @@ class ModelRunner:
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
         return model.eval()
+
+    def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep the outputs of the named decoder layers each step (EAGLE-3 reads three of them)."""
+        stacks = [m for name, m in self.model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
+        if not stacks:
+            raise ValueError(f"{type(self.model).__name__} has no `layers` ModuleList to read hidden states from")
+        layers = max(stacks, key=len)
+        store = self._aux_hidden
+
+        def keep(module, args, output):
+            store.append(output[0] if isinstance(output, tuple) else output)
+
+        for i in layer_ids:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"the proposer reads hidden states of layer {i}; the model has {len(layers)} layers")
+            layers[i].register_forward_hook(keep)
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -189,7 +218,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
-        """Run one scheduled batch (decode rows and prompt chunks alike); sample where a request reaches its end."""
+        """Run one scheduled batch (decode rows and prompt chunks alike); sample where a request reaches its end.
+
+        A decode row carrying drafts is scored at each of its positions and verified; the
+        proposer then drafts the next step's tokens from what was accepted.
+        """
         t0 = time.perf_counter()
         metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
         meta = next(iter(metas.values()))
@@ -201,29 +234,81 @@ class ModelRunner:
                 positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
             ),
         )
-        sampled = [i for i, s in enumerate(batch.do_sample) if s]
-        sample_ids = [batch.req_ids[i] for i in sampled]
+        rows = [i for i, s in enumerate(batch.do_sample) if s]
+        sample_ids = [batch.req_ids[i] for i in rows]
+        spec = batch.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in sample_ids]
+        ends = meta.query_start_loc_cpu[1:][rows]  # one past each sampling row's last token
         t1 = time.perf_counter()
+        self._aux_hidden.clear()
         try:
             hidden = self.model(input_ids, meta.positions)
-            # Only the last token of a request that reaches its end samples; middle chunks
-            # and every other position never reach the lm_head.
+            # Only the positions that sample reach the lm_head: a request's last token, or
+            # its last token and each draft; middle chunks and prompt tokens never do.
             logits = None
-            if sampled:
-                last = torch.from_numpy(meta.query_start_loc_cpu[1:][sampled] - 1).to(self.device)
-                logits = self.model.compute_logits(hidden[last]).float()
+            if rows:
+                index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
+                logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)]).float()
         finally:
             reset_forward_context()
         t2 = time.perf_counter()
-        tokens = []
-        if sampled:
-            tokens = self.sampler(logits, SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)).tolist()
+        tokens: list[list[int]] = []
+        if rows:
+            sampling = SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)
+            if any(drafts):
+                probs = [seqs[r].spec_token_probs for r in sample_ids]
+                tokens = self.verifier(logits, drafts, probs, sampling)
+            else:
+                tokens = [[t] for t in self.sampler(logits, sampling).tolist()]
         t3 = time.perf_counter()
+        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) if rows else {}
         timings = self.timings
         timings["prepare"] += t1 - t0
         timings["forward"] += t2 - t1
         timings["sample"] += t3 - t2
-        # The step's logits, a row per request of `last_req_ids`: for parity checks and debugging.
+        timings["propose"] += time.perf_counter() - t3
+        # The logits each request sampled its last token from, a row per request of
+        # `last_req_ids`: for parity checks and debugging.
         self.last_req_ids = sample_ids
-        self.last_logits = logits if logits is not None else torch.empty((0, 0))
-        return ScheduledBatchOutput({rid: (tok,) for rid, tok in zip(sample_ids, tokens)})
+        if logits is None:
+            self.last_logits = torch.empty((0, 0))
+        else:
+            starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
+            self.last_logits = logits[torch.from_numpy(starts + [len(t) - 1 for t in tokens])]
+        out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
+        if proposals:
+            out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
+            out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
+        return out
+
+    def _propose(self, batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) -> dict:
+        """The proposer's drafts for the requests that sampled, within each one's limit."""
+        if self.proposer is None:
+            return {}
+        row_seqs = [seqs[batch.req_ids[i]] for i in rows]
+        k, max_len = self.proposer.k, self.config.max_model_len
+        limits = [wanted_drafts(s, len(t), k, max_len) for s, t in zip(row_seqs, tokens)]
+        if not any(limits):
+            return {}
+        inp = ProposalInput(
+            seqs=row_seqs,
+            new_token_ids=tokens,
+            max_drafts=limits,
+            batch=batch,
+            batch_rows=rows,
+            # The last verified token of each row: its successor is the token just sampled.
+            token_index=[int(e) - 1 - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)],
+            input_ids=input_ids,
+            positions=meta.positions,
+            hidden_states=hidden,
+            aux_hidden_states=self._aux_hidden,
+        )
+        proposed = self.proposer.propose(inp)
+        out = {}
+        for seq, limit, d in zip(row_seqs, limits, proposed):
+            if d is not None and d.token_ids and limit:
+                d.token_ids = list(d.token_ids[:limit])
+                if d.probs is not None:
+                    d.probs = d.probs[:limit]
+                out[seq.id] = d
+        return out

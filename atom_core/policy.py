@@ -131,10 +131,15 @@ class StepBuilder:
         """
         if seq.status != SequenceStatus.RUNNING or seq.id in self._scheduled:
             return 0
-        if seq.type is SequenceType.DECODE:  # the last token and its drafts, never split
+        if seq.type is SequenceType.DECODE:  # the last token and its drafts
             n = 1 + len(seq.spec_token_ids)
             if self.seqs and n > self.budget:
-                return 0
+                if self.budget < 1:
+                    return 0
+                n = self.budget  # verify fewer drafts rather than skip the request
+                seq.spec_token_ids = seq.spec_token_ids[: n - 1]
+                if seq.spec_token_probs is not None:
+                    seq.spec_token_probs = seq.spec_token_probs[: n - 1]
         else:
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = self.chunk(remaining) if num_tokens is None else min(num_tokens, remaining)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from atom_core.block_manager import BlockManager
@@ -20,6 +20,7 @@ from atom_core.config import Config
 from atom_core.policy import SchedulingPolicy, StepBuilder
 from atom_core.request import RequestOutput
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
+from atom_core.speculative import DraftGate, SpecStats, wanted_drafts
 
 logger = logging.getLogger("atom")
 
@@ -121,10 +122,16 @@ class ScheduledBatch:
 class ScheduledBatchOutput:
     """What one forward pass produced: accepted tokens and next-step drafts per request."""
 
-    def __init__(self, token_ids: dict[int, tuple[int, ...]], draft_token_ids: dict[int, list[int]] | None = None):
+    def __init__(
+        self,
+        token_ids: dict[int, tuple[int, ...]],
+        draft_token_ids: dict[int, list[int]] | None = None,
+        draft_probs: dict[int, Any] | None = None,
+    ):
         self.req_ids = list(token_ids.keys())
         self.token_ids = token_ids
         self.draft_token_ids = draft_token_ids
+        self.draft_probs = draft_probs  # per request [num_drafts, vocab], from proposers that have them
 
 
 class Scheduler:
@@ -145,10 +152,12 @@ class Scheduler:
         self.prev_prompt = False
         self.last_prompt_latency = 0.0
         self.delay_factor = config.scheduler_delay_factor
-        self.use_spec = config.speculative_config is not None
+        spec = config.speculative_config
+        self.use_spec = spec is not None
         self.mtp_k: int = config.num_speculative_tokens
-        self.total_draft_tokens = 0
-        self.total_accepted_tokens = 0
+        self.spec_stats = SpecStats(self.mtp_k)
+        # Stop strings are text: the engine, which holds the tokenizer, sets this checker.
+        self.stop_string_check: Callable[[Sequence], bool] | None = None
         self._finished_outside_step: list[Sequence] = []
         self._queued: dict[int, Sequence] = {}  # every waiting or running request, by id
         from atom_core.plugins import get_registry
@@ -172,6 +181,9 @@ class Scheduler:
             raise ValueError(f"a request with id {seq.id} is already queued")
         if not seq.arrive_time:
             seq.arrive_time = time.perf_counter()
+        if self.use_spec and seq.draft_gate is None:
+            spec = self.config.speculative_config
+            seq.draft_gate = DraftGate(spec.min_acceptance_rate, spec.draft_retry_after)
         reason = self._unschedulable_reason(seq)
         if reason is not None:
             self._finish_outside_step(seq, reason)
@@ -297,7 +309,7 @@ class Scheduler:
         """Free all of a running request's blocks; it re-prefills from the queue's front."""
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_token_probs = [], None
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
@@ -316,33 +328,46 @@ class Scheduler:
         finished: list[Sequence] = []
         outputs: list[RequestOutput] = []
         drafts = fwd_output.draft_token_ids or {}
+        draft_probs = fwd_output.draft_probs or {}
         get_tokens = fwd_output.token_ids.get
         running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
+        stats, verified = self.spec_stats, False
         for seq in seqs:
             token_ids = get_tokens(seq.id)
             if token_ids is None or seq.status is not running:
                 continue  # a middle prompt chunk, or aborted or preempted since it was scheduled
             if seq.num_computed_tokens < seq._num_tokens:
                 continue  # a middle chunk samples nothing, whatever the runner sent
-            if self.use_spec and seq.type is decode and seq.id in drafts:
-                self.update_spec_stats(len(token_ids))
+            # Token by token: nothing after a stop reaches the sequence, the output or the counts.
             reason = None
+            committed = 0
             for token_id in token_ids:
                 seq.append_token(token_id)
+                committed += 1
                 if not seq.first_token_time:
                     seq.first_token_time = now
                 reason = self._stop_reason(seq, token_id)
                 if reason is not None:
-                    break  # tokens accepted after a stop are dropped
+                    break
+            num_drafted = len(seq.spec_token_ids) if seq.type is decode else 0
+            if num_drafted:
+                stats.record(num_drafted, len(token_ids) - 1, committed)
+                if seq.draft_gate is not None:
+                    seq.draft_gate.record(num_drafted, len(token_ids) - 1, seq.num_completion_tokens)
+                verified = True
             seq.type = decode
             seq.num_computed_tokens = seq._num_tokens - 1  # all but the token just sampled (drafts rejected)
+            seq.spec_token_ids, seq.spec_token_probs = [], None
             if reason is None and seq.id in drafts:
-                seq.spec_token_ids = list(drafts[seq.id])
+                n = wanted_drafts(seq, 0, self.mtp_k, self.max_model_len)
+                seq.spec_token_ids = list(drafts[seq.id][:n])
+                probs = draft_probs.get(seq.id)
+                if probs is not None and seq.spec_token_ids:
+                    seq.spec_token_probs = probs[:n]
             if reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 seq.leave_time = now
                 seq.leave_reason = reason
-                seq.spec_token_ids = []
                 self.block_manager.deallocate(seq)
                 del self._queued[seq.id]
                 finished.append(seq)
@@ -352,6 +377,8 @@ class Scheduler:
                     outputs.append(out)
             else:
                 seq.output_tokens.clear()
+        if verified:
+            stats.end_step()
         if finished:
             self.running = deque(s for s in self.running if s.status == SequenceStatus.RUNNING)
         if outputs:
@@ -366,6 +393,8 @@ class Scheduler:
             n = len(stop)
             if n <= num_completion and seq.token_ids[-n:] == stop:
                 return "stop_sequence"
+        if seq.stop_strings and self.stop_string_check is not None and self.stop_string_check(seq):
+            return "stop"
         if not seq.ignore_eos:
             # The model's own stop ids (generation config) count as EOS, as in vLLM.
             if token_id == self.eos_token_id:
@@ -404,14 +433,10 @@ class Scheduler:
         self._finished_outside_step.append(seq)
         self._emit(seq, reason)
 
-    def update_spec_stats(self, num_accepted_tokens: int) -> None:
-        """Count one verified step; the first accepted token is the target's own, not a draft."""
-        self.total_draft_tokens += self.mtp_k
-        self.total_accepted_tokens += num_accepted_tokens - 1
-        if self.total_draft_tokens and self.total_draft_tokens % 1000 == 0:
-            logger.info(
-                "[MTP Stats] Total draft tokens: %d, Accepted: %d, Acceptance rate: %.2f%%",
-                self.total_draft_tokens,
-                self.total_accepted_tokens,
-                100.0 * self.total_accepted_tokens / self.total_draft_tokens,
-            )
+    @property
+    def total_draft_tokens(self) -> int:
+        return self.spec_stats.num_draft_tokens
+
+    @property
+    def total_accepted_tokens(self) -> int:
+        return self.spec_stats.num_accepted_tokens

@@ -80,6 +80,8 @@ class Sequence:
         self.stream_callback = stream_callback
         self.output_tokens: list[int] = []  # new tokens not yet streamed
         self.spec_token_ids: list[int] = []
+        self.spec_token_probs = None  # the proposer's distributions for spec_token_ids, if it has them
+        self.draft_gate = None  # speculative decoding: whether this request keeps drafting (DraftGate)
         self.num_placeholder = 0
         # Stateful attention (GDN) keeps one state group per request outside the paged pool.
         self.has_per_req_cache = has_per_req_cache

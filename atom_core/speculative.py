@@ -1,0 +1,185 @@
+"""The speculative-decoding contract: a proposer drafts, a verifier accepts, the scheduler counts.
+
+The core knows no proposer by name. `SpeculativeConfig.method` picks a class from the
+"proposers" registry and `SpeculativeConfig.verifier` a rejection sampler from the
+"samplers" registry (both registered by the `atom_spec` plugin, or a third party's).
+Every step the runner verifies the drafts it scheduled, then hands the proposer a
+`ProposalInput` describing the step and gets back up to k drafts per request. A draft
+model's attention layers take their KV from the same builders and pool
+(`Proposer.num_draft_layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+if TYPE_CHECKING:
+    from atom_core.scheduler import ScheduledBatch
+    from atom_core.sequence import Sequence
+
+logger = logging.getLogger("atom")
+
+
+@attrs.define
+class Drafts:
+    """One request's proposal: token ids and, where the proposer has them, their distributions."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab]; None = a one-hot draft (n-gram)
+
+
+@attrs.define(kw_only=True)
+class ProposalInput:
+    """What one step tells the proposer. Rows are the requests that sampled, in batch order.
+
+    `hidden_states` holds the target's final hidden state for every token the step ran
+    (rows of `batch.scheduled_tokens`); `aux_hidden_states` the outputs of the decoder
+    layers the proposer named in `aux_hidden_layers`. `token_index[i]` is the position in
+    those tensors of row i's last verified token (the one whose successor was sampled).
+    """
+
+    seqs: list[Sequence]
+    new_token_ids: list[list[int]]  # emitted this step: accepted drafts, then the target's token
+    max_drafts: list[int]  # drafts worth proposing per row (0: none), at most k
+    batch: ScheduledBatch
+    batch_rows: list[int]  # each seq's row in `batch`
+    token_index: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    hidden_states: torch.Tensor
+    aux_hidden_states: list[torch.Tensor] = attrs.field(factory=list)
+    attn_metadata: dict[str, Any] = attrs.field(factory=dict)
+
+
+class Proposer:
+    """Base class of a speculative-decoding method.
+
+    Subclasses implement `propose`. One with weights loads them in `__init__` from
+    `spec_config.model` (or the target checkpoint) and declares the KV layers it needs
+    in `num_draft_layers`; one that reads the target's intermediate hidden states names
+    the decoder layers in `aux_hidden_layers`.
+    """
+
+    num_draft_layers: int = 0
+    aux_hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, runner: Any, spec_config: Any):
+        self.runner = runner
+        self.spec_config = spec_config
+        self.k: int = spec_config.num_speculative_tokens
+
+    def draft_modules(self) -> list[torch.nn.Module]:
+        """Modules holding the proposer's attention layers, bound to the KV pool like the target's."""
+        return []
+
+    def propose(self, inp: ProposalInput) -> list[Drafts | None]:
+        """Up to k drafts for each row of `inp` (None or an empty list: no drafts)."""
+        raise NotImplementedError
+
+
+def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:
+    """Drafts worth verifying next step for `seq` once `num_new_tokens` more are appended.
+
+    Verifying d drafts emits up to d + 1 tokens; more than `max_tokens` or the context
+    limit allow would be computed and thrown away.
+    """
+    num_tokens = seq.num_tokens + num_new_tokens
+    left = seq.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1
+    if max_model_len is not None:
+        left = min(left, max_model_len - num_tokens - 1)
+    return max(0, min(k, left))
+
+
+def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:
+    """`draft_limit`, or 0 while the request's gate has paused its drafting."""
+    gate = seq.draft_gate
+    if gate is not None and not gate.allows(seq.num_completion_tokens + num_new_tokens):
+        return 0
+    return draft_limit(seq, num_new_tokens, k, max_model_len)
+
+
+@attrs.define
+class SpecStats:
+    """Counts with vLLM's meanings, taken at verification and only for tokens before any stop."""
+
+    k: int
+    num_drafts: int = 0  # request-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = attrs.field(init=False)
+    num_steps: int = 0  # verification steps, for the periodic log line
+    log_every: int = 100
+
+    def __attrs_post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.k
+
+    def record(self, num_drafted: int, num_accepted: int, num_committed: int) -> None:
+        """One request-step: `num_drafted` drafts verified, `num_accepted` taken, `num_committed` tokens kept.
+
+        A stop inside the accepted run cuts what counts: drafts past the stop were neither
+        committed nor rejected.
+        """
+        if num_committed <= num_accepted:  # the stop fell on an accepted draft
+            num_drafted = num_accepted = num_committed
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def end_step(self) -> None:
+        self.num_steps += 1
+        if self.num_steps % self.log_every == 0:
+            s = self.as_dict()
+            logger.info(
+                "speculative decoding: %d drafts, %d draft tokens, acceptance rate %.2f, mean acceptance "
+                "length %.2f, accepted per position %s",
+                s["num_drafts"],
+                s["num_draft_tokens"],
+                s["acceptance_rate"],
+                s["mean_acceptance_length"],
+                s["accepted_per_position"],
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        drafts, tokens = self.num_drafts, self.num_draft_tokens
+        return {
+            "num_drafts": drafts,
+            "num_draft_tokens": tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / tokens if tokens else 0.0,
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else 1.0,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+@attrs.define
+class DraftGate:
+    """Whether one request keeps drafting, from its own acceptance history only.
+
+    Verifying drafts costs compute even when none is accepted. A request whose recent
+    acceptance rate (an exponential average over its verified steps) falls below
+    `min_rate` stops drafting for `retry_after` tokens, then resumes on probation (its
+    average restarts at `min_rate`, so one more bad step pauses it again). Nothing here
+    looks at other requests, so a seeded request generates the same tokens alone or batched.
+    """
+
+    min_rate: float
+    retry_after: int
+    rate: float = 1.0
+    paused_until: int = 0  # completion-token count at which drafting resumes
+
+    def allows(self, num_completion_tokens: int) -> bool:
+        return num_completion_tokens >= self.paused_until
+
+    def record(self, num_drafted: int, num_accepted: int, num_completion_tokens: int) -> None:
+        if num_drafted == 0 or self.min_rate <= 0:
+            return
+        self.rate = 0.5 * self.rate + 0.5 * num_accepted / num_drafted
+        if self.rate < self.min_rate:
+            self.paused_until = num_completion_tokens + self.retry_after
+            self.rate = self.min_rate

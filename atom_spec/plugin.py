@@ -1,0 +1,13 @@
+"""Hook implementations only; a proposer is imported when a config names its method."""
+
+from atom_core import hookimpl
+
+
+@hookimpl
+def atom_register_proposers(registry):
+    registry.register("ngram", "atom_spec.ngram:NgramProposer")
+
+
+@hookimpl
+def atom_register_samplers(registry):
+    registry.register("rejection", "atom_spec.rejection:RejectionSampler")

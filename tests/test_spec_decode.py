@@ -1,0 +1,177 @@
+"""Speculative decoding end to end: drafts change the speed, never the greedy tokens, and the counts are right."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from atom_core import SamplingParams, hookimpl  # noqa: E402
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.speculative import Drafts, Proposer  # noqa: E402
+from conftest import record_preemptions  # noqa: E402
+from model_utils import build_tiny_model, random_prompts  # noqa: E402
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    build_tiny_model("llama", folder)
+    return folder
+
+
+def copy_heavy_prompts():
+    """Prompts that repeat themselves, so prompt lookup finds drafts (of every length around a block)."""
+    base = random_prompts((6, 9, 13, 5, 20), seed=3)
+    return [p * r for p, r in zip(base, (3, 2, 3, 1, 2))] + random_prompts((1, 17), seed=4)
+
+
+def generate(folder, prompts, params=None, **config):
+    config.setdefault("num_kvcache_blocks", 64)
+    engine = LLMEngine(folder, dtype="float32", max_model_len=256, **config)
+    params = params or SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    out = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+    return [r["token_ids"] for r in out], engine
+
+
+@pytest.fixture(scope="module")
+def plain(llama):
+    return generate(llama, copy_heavy_prompts())[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
+def test_ngram_greedy_equals_plain_greedy(llama, plain, k, policy):
+    spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    # A small token budget chunks the longer prompts while others decode with drafts.
+    tokens, engine = generate(
+        llama, copy_heavy_prompts(), speculative_config=spec, scheduling_policy=policy,
+        max_num_batched_tokens=32, enable_prefix_caching=True,
+    )
+    assert tokens == plain
+    stats = engine.get_spec_stats()
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] >= stats["num_drafts"]
+    assert len(stats["accepted_per_position"]) == k
+
+
+def test_ngram_under_preemption(llama, plain):
+    spec = dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0)
+    engine = LLMEngine(llama, dtype="float32", max_model_len=128, num_kvcache_blocks=12, speculative_config=spec)
+    preempted = record_preemptions(engine.scheduler)
+    out = engine.generate(copy_heavy_prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    assert preempted, "the pool was meant to be too small for every request at once"
+    assert [r["token_ids"] for r in out] == plain
+    assert engine.scheduler.block_manager.num_free_blocks == 12
+
+
+# -- proposers that know the answer (or deny it), registered as a third party would -----
+
+
+class OracleProposer(Proposer):
+    """Drafts the target's own greedy continuation (or, with `wrong`, a token off by one)."""
+
+    answers: dict[tuple[int, ...], list[int]] = {}
+    wrong = False
+
+    def propose(self, inp):
+        out = []
+        for seq, new, limit in zip(inp.seqs, inp.new_token_ids, inp.max_drafts):
+            ref = self.answers[tuple(seq.prompt_token_ids)]
+            done = seq.num_completion_tokens + len(new)
+            drafts = ref[done : done + limit]
+            out.append(Drafts([(t + 1) % 256 for t in drafts] if self.wrong else drafts))
+        return out
+
+
+class WrongProposer(OracleProposer):
+    wrong = True
+
+
+class OraclePlugin:
+    @hookimpl
+    def atom_register_proposers(self, registry):
+        registry.register("oracle", OracleProposer)
+        registry.register("wrong", WrongProposer)
+
+
+@pytest.fixture
+def oracle(plugin_manager, plain):
+    plugin_manager.register(OraclePlugin(), name="oracle-proposer")
+    OracleProposer.answers = {tuple(p): t for p, t in zip(copy_heavy_prompts(), plain)}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_equal_to_the_target_is_always_accepted(llama, plain, oracle, k):
+    max_tokens = 1 + 3 * (k + 1)  # the prefill's token, then three full runs of k + 1
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    spec = dict(method="oracle", num_speculative_tokens=k)
+    tokens, engine = generate(llama, copy_heavy_prompts(), params, speculative_config=spec)
+    assert tokens == [t[:max_tokens] for t in plain]
+    stats = engine.get_spec_stats()
+    n = len(plain)
+    assert stats["num_drafts"] == 3 * n and stats["num_draft_tokens"] == 3 * k * n
+    assert stats["acceptance_rate"] == 1.0 and stats["mean_acceptance_length"] == k + 1
+    assert stats["accepted_per_position"] == [3 * n] * k
+    assert engine.timings["steps"] == 4  # one prefill step, then three verify steps
+
+
+def test_an_always_wrong_draft_costs_nothing_but_time(llama, plain, oracle):
+    spec = dict(method="wrong", num_speculative_tokens=2, min_acceptance_rate=0)
+    tokens, engine = generate(llama, copy_heavy_prompts(), speculative_config=spec)
+    assert tokens == plain
+    stats = engine.get_spec_stats()
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] == 0
+    assert stats["acceptance_rate"] == 0.0 and stats["mean_acceptance_length"] == 1.0
+
+
+def test_requests_whose_drafts_fail_stop_drafting(llama, plain, oracle):
+    spec = dict(method="wrong", num_speculative_tokens=2, min_acceptance_rate=0.6, draft_retry_after=1000)
+    tokens, engine = generate(llama, copy_heavy_prompts(), speculative_config=spec)
+    assert tokens == plain
+    # One failed verification each pauses every request for longer than it runs.
+    assert engine.get_spec_stats()["num_drafts"] == len(plain)
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_request_there(llama, plain, oracle):
+    prompt, ref = copy_heavy_prompts()[0], plain[0]
+    j = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])  # a token first seen at j
+    spec = dict(method="oracle", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[ref[j]])
+    engine = LLMEngine(llama, dtype="float32", max_model_len=256, num_kvcache_blocks=64, speculative_config=spec)
+    [out] = engine.generate([prompt], params, use_tqdm=False)
+    assert out["token_ids"] == ref[: j + 1] and out["finish_reason"] == f"stop_{ref[j]}"
+    # Each verify step emits 4 accepted drafts and the target's token; the step holding the
+    # stop commits only up to it, and nothing past the stop is counted.
+    steps = -(-j // 5)
+    last = j - 5 * (steps - 1)  # tokens the last step committed
+    full_steps = steps - 1 + (last == 5)  # steps whose target token was committed too
+    stats = engine.get_spec_stats()
+    assert stats["num_drafts"] == steps
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] == j - full_steps
+    assert engine.scheduler.block_manager.num_free_blocks == 64
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_or_batched(llama):
+    spec = dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0)
+    prompts = copy_heavy_prompts()
+    seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=NEW, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    alone, _ = generate(llama, [prompts[0]], seeded, speculative_config=spec)
+    engine = LLMEngine(llama, dtype="float32", max_model_len=256, num_kvcache_blocks=64, speculative_config=spec)
+    out = engine.generate(prompts, [seeded] + [others] * (len(prompts) - 1), use_tqdm=False)
+    assert out[0]["token_ids"] == alone[0]
+    assert engine.get_spec_stats()["num_drafts"] > 0
+
+
+def test_speculative_config_errors_name_the_problem(llama):
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        LLMEngine(llama, speculative_config=dict(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2))
+    with pytest.raises(Exception, match="no_such_method"):
+        LLMEngine(llama, num_kvcache_blocks=16, speculative_config=dict(method="no_such_method"))
+    with pytest.raises(ValueError, match="spyre"):
+        LLMEngine(
+            llama, num_kvcache_blocks=64, scheduling_policy="spyre", speculative_config=dict(method="ngram")
+        )
