@@ -48,22 +48,8 @@ class Sampler:
         greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
         if all(greedy):
             return greedy_tokens
-        dev, vocab = logits.device, logits.shape[-1]
-        temps = torch.tensor([t if t > 0 else 1.0 for t in meta.temperatures], device=dev, dtype=logits.dtype)
-        logits = logits / temps[:, None]
-        if any(0 < k < vocab for k in meta.top_ks):
-            ks = torch.tensor([k if 0 < k < vocab else vocab for k in meta.top_ks], device=dev)
-            top = logits.topk(int(ks.max()), dim=-1).values
-            kth = top.gather(1, (ks - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        if any(p < 1.0 for p in meta.top_ps):
-            ps = torch.tensor(meta.top_ps, device=dev, dtype=probs.dtype)
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-            drop = sorted_p.cumsum(dim=-1) - sorted_p >= ps[:, None]
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        dev = logits.device
+        probs = processed_probs(logits, meta.temperatures, meta.top_ks, meta.top_ps)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seed in enumerate(meta.seeds):
             if seed is not None and not greedy[i]:
@@ -71,6 +57,36 @@ class Sampler:
                 noise[i].exponential_(generator=self._row_generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)
+
+
+def processed_probs(
+    logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float]
+) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, then top-p.
+
+    One function for every consumer (the Sampler, speculative decoding's rejection
+    sampler), so that a verifier accepts against exactly the distribution the plain
+    sampler would draw from. Rows with temperature 0 are scaled by 1 (their caller takes
+    the argmax). Dropped tokens get 0. After top-p a row sums to the kept mass, not to 1:
+    the exponential race does not need it normalised; divide by the row sum if you do.
+    """
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=dev, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    if any(0 < k < vocab for k in top_ks):
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
+        top = logits.topk(int(ks.max()), dim=-1).values
+        kth = top.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if any(p < 1.0 for p in top_ps):
+        ps = torch.tensor(top_ps, device=dev, dtype=probs.dtype)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop = sorted_p.cumsum(dim=-1) - sorted_p >= ps[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    return probs
 
 
 def _mix(seed: int, step: int) -> int:
