@@ -9,6 +9,12 @@ Per step, rows are decode rows and prompt chunks of any length (chunked prefill 
 prompt at any token). A row whose first position is 0 starts from zero state whatever its
 slot holds (slots are reused by later requests and after preemption); any other row
 continues from its slot's state, which the previous chunk or token left there.
+
+With prefix caching, state checkpoints are further slots after the groups: a request that
+resumes from a cached prefix starts from a checkpoint slot's state (read in place, no copy),
+and a prompt row copies its state at the block boundaries the scheduler names into
+checkpoint slots, running the delta rule piecewise up to each (`ScheduledBatch.state_loads`,
+`state_saves`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class GDNMetadata:
     """The GDN view of one step (in `AttentionMetadata.extra["gdn"]`), rows in batch order."""
 
     slots_cpu: np.ndarray  # [num_reqs] state slot (per-request group) of each row
+    init_slots_cpu: np.ndarray  # [num_reqs] slot a continuing row starts from: its own, or a checkpoint
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     has_initial_state_cpu: np.ndarray  # [num_reqs] bool: the row continues earlier tokens
     is_decode_cpu: np.ndarray  # [num_reqs] bool: one token continuing a state (batched step path)
@@ -37,6 +44,8 @@ class GDNMetadata:
     prefill_rows: np.ndarray  # indices of prompt-chunk rows (run one request at a time)
     decode_token_idx: torch.Tensor  # [num_decode] token index of each decode row
     decode_slots: torch.Tensor  # [num_decode] their slots (int64, on device)
+    # Prompt rows that save checkpoints: row -> [(tokens of the row before the boundary, checkpoint slot)].
+    saves: dict[int, list[tuple[int, int]]] = attrs.field(factory=dict)
 
 
 class GDNImpl:
@@ -71,16 +80,39 @@ class GDNImpl:
             s, e, slot = int(cu[r]), int(cu[r + 1]), int(gm.slots_cpu[r])
             if e == s:
                 continue
+            init = int(gm.init_slots_cpu[r])
             cont = bool(gm.has_initial_state_cpu[r])
-            x, conv = gdn_ops.causal_conv1d(mixed_qkv[s:e], weight, bias, layer.conv_state[slot] if cont else None)
+            conv0 = layer.conv_state[init] if cont else None
+            saves = gm.saves.get(r, ())
+            for offset, ckpt in saves:  # before the row's own slot is overwritten: it may be `init`
+                layer.conv_state[ckpt].copy_(_conv_state_at(conv0, mixed_qkv[s:e], offset, weight.shape[-1]))
+            x, conv = gdn_ops.causal_conv1d(mixed_qkv[s:e], weight, bias, conv0)
             layer.conv_state[slot].copy_(conv)
             q, k, v = split(x)
-            o, state = gdn_ops.chunk_gated_delta_rule(
-                q, k, v, g[s:e], beta[s:e], layer.ssm_state[slot] if cont else None
-            )
+            state = layer.ssm_state[init] if cont else None
+            start = 0
+            # Piecewise up to each checkpoint boundary; the state is carried in float32 between pieces.
+            for offset, ckpt in [*saves, (e - s, -1)]:
+                if offset > start:
+                    a, b = s + start, s + offset
+                    out[a:b], state = gdn_ops.chunk_gated_delta_rule(
+                        q[start:offset], k[start:offset], v[start:offset], g[a:b], beta[a:b], state
+                    )
+                    start = offset
+                if ckpt != -1:
+                    layer.ssm_state[ckpt].copy_(state)
             layer.ssm_state[slot].copy_(state)
-            out[s:e] = o
         return out
+
+
+def _conv_state_at(conv0: torch.Tensor | None, x: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:
+    """The conv state after the first `offset` tokens of `x` (the last K-1 pre-conv inputs),
+    as `causal_conv1d` would return it for a row ending there."""
+    k1 = kernel_size - 1
+    tail = x[max(0, offset - k1) : offset].t()
+    if conv0 is None:
+        conv0 = x.new_zeros(x.shape[1], k1)
+    return torch.cat((conv0.to(tail.dtype), tail), dim=-1)[:, -k1:]
 
 
 class GDNMetadataBuilder(AttentionMetadataBuilder):
@@ -98,10 +130,6 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
         if name not in _STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype {name!r} is not supported; choose one of {sorted(_STATE_DTYPES)}")
         self.state_dtype = _STATE_DTYPES[name]
-        if getattr(self.config, "enable_prefix_caching", False):
-            # A cached prefix would skip tokens whose effect on the recurrent state was never
-            # computed for this request; that needs state checkpoints, which come later.
-            raise ValueError("prefix caching is not supported yet with Gated DeltaNet (gdn) layers")
         self.impl = self.impl_cls()
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
@@ -119,7 +147,27 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
         return len(self.layers) * (self._conv_elems() + self._ssm_elems()) * self.state_dtype.itemsize
 
     def slots_per_req(self) -> int:
-        return 1
+        # With speculative decoding a request also keeps the state after each of its k
+        # drafts, so the state after the last accepted one can be kept.
+        return 1 + self.config.num_speculative_tokens
+
+    def _draft_slot(self, group: int, offset: int) -> int:
+        """Slot holding group's state after the first `offset` (1..k) tokens of a draft row:
+        past the groups and the checkpoints."""
+        runner, k = self.runner, self.config.num_speculative_tokens
+        return runner.num_per_req_cache_groups + runner.num_state_checkpoints + group * k + offset - 1
+
+    def commit_speculation(self, batch, num_accepted):
+        spec = batch.scheduled_spec_decode_tokens
+        for row, a in num_accepted.items():
+            if a < len(spec[batch.req_ids[row]]):  # else the row's own slot already holds the last state
+                group = batch.per_req_cache_groups[row]
+                kept = self._draft_slot(group, a + 1)  # after the last token and the a accepted drafts
+                self.conv_state[:, group].copy_(self.conv_state[:, kept])
+                self.ssm_state[:, group].copy_(self.ssm_state[:, kept])
+
+    def supports_state_checkpoints(self) -> bool:
+        return True
 
     def allocate_per_req_cache(self, num_slots: int) -> dict[str, torch.Tensor]:
         n = len(self.layers)
@@ -155,9 +203,30 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
         cu = meta.query_start_loc_cpu
         has_init = first > 0
         is_decode = has_init & (num_q == 1)
+        init_slots = slots
+        saves: dict[int, list[tuple[int, int]]] = {}
+        if batch.state_loads or batch.state_saves:
+            init_slots = slots.copy()
+            for r, ckpt in batch.state_loads.items():
+                init_slots[r] = ckpt
+                is_decode[r] = False  # the batched step updates a slot in place; this row reads another
+            for r, points in batch.state_saves.items():
+                saves[r] = [(position - int(first[r]), ckpt) for position, ckpt in points]
+                is_decode[r] = False
+        spec = batch.scheduled_spec_decode_tokens
+        if spec:
+            # A row verifying n drafts saves its state after each of its first n tokens.
+            saves = dict(saves)
+            for r, rid in enumerate(batch.req_ids):
+                n = len(spec.get(rid, ()))
+                if n:
+                    saves[r] = [(j, self._draft_slot(int(slots[r]), j)) for j in range(1, n + 1)]
+                    is_decode[r] = False
         decode_rows = np.flatnonzero(is_decode)
         meta.extra["gdn"] = GDNMetadata(
             slots_cpu=slots,
+            init_slots_cpu=init_slots,
+            saves=saves,
             query_start_loc_cpu=cu,
             has_initial_state_cpu=has_init,
             is_decode_cpu=is_decode,

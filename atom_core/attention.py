@@ -108,7 +108,25 @@ class AttentionMetadataBuilder:
         return 1
 
     def allocate_per_req_cache(self, num_slots: int) -> dict[str, torch.Tensor]:
+        """Allocate `num_slots` slots of per-request state: the groups, then the state checkpoints."""
         return {}
+
+    def supports_state_checkpoints(self) -> bool:
+        """Whether this builder honours `ScheduledBatch.state_loads` and `state_saves`.
+
+        A row listed in `state_loads` starts from that checkpoint slot's state instead of
+        its group's; for each `(position, slot)` of a row in `state_saves`, the state after
+        the sequence's first `position` tokens is copied into that slot. Prefix caching on a
+        model with per-request state needs it: cached KV alone cannot rebuild the state.
+        """
+        return False
+
+    def commit_speculation(self, batch: ScheduledBatch, num_accepted: dict[int, int]) -> None:
+        """After verification: row -> drafts accepted, for each row of `batch` that carried drafts.
+
+        Paged KV needs nothing (a rejected position is overwritten next step); a builder
+        with per-request state keeps the state after the last accepted token here.
+        """
 
     # -- per-step metadata -------------------------------------------------------------
 

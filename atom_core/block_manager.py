@@ -4,7 +4,9 @@ Each full block is named by an xxhash64 chained through the previous block's has
 so equal token content after different prefixes never collides. A freed block keeps
 its hash and contents until it is handed out again, so a later request with the same
 prefix can revive it. The pool of per-request state groups (GDN) lives here too,
-because admission must wait for a group exactly as it waits for blocks.
+because admission must wait for a group exactly as it waits for blocks, and so does the
+bookkeeping of state checkpoints (`StateCheckpoints`): a request with per-request state
+takes a prefix hit only up to a block boundary whose state was saved.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 import xxhash
 
 from atom_core.config import Config
-from atom_core.sequence import Sequence
+from atom_core.sequence import Sequence, SequenceType
+from atom_core.state_checkpoints import StateCheckpoints
 
 
 class Block:
@@ -55,12 +58,23 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         self.reserved_block_ids: set[int] = set()
         self.enable_prefix_caching = config.enable_prefix_caching
+        self.num_lookahead_slots = config.num_speculative_tokens
         self.num_per_req_cache_groups = config.num_per_req_cache_groups
         self.per_req_cache_free_groups: deque[int] = deque(range(self.num_per_req_cache_groups))
         self.per_req_cache_used_groups: set[int] = set()
+        # State checkpoints take the slots after the groups; only prefix caching uses them.
+        num_checkpoints = config.gdn_checkpoint_slots if self.enable_prefix_caching else 0
+        self.state_checkpoints: StateCheckpoints | None = (
+            StateCheckpoints(self.num_per_req_cache_groups, num_checkpoints)
+            if num_checkpoints and self.num_per_req_cache_groups
+            else None
+        )
+        # Per admitted request with per-request state: (checkpoint slot its first row loads or
+        # -1, the end of its KV hit, where its prefix leaves every cached one).
+        self._state_plans: dict[int, tuple[int, int]] = {}
         # One-entry memo of the last prefix lookup; any change to the pool invalidates it.
         self._version = 0
-        self._memo: tuple[Sequence, int, int, list[int]] | None = None
+        self._memo: tuple[Sequence, int, int, list[int], list[int], int] | None = None
 
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
@@ -76,19 +90,20 @@ class BlockManager:
 
     # -- prefix lookup -------------------------------------------------------------
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`.
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[int], int]:
+        """(block ids `seq` may share, chain hashes of its cached KV blocks, how many KV blocks are cached).
 
         The last token is never served from cache: the model must run it to produce
         the first output token. So a hit covers at most `(num_tokens - 1) // block_size`
-        whole blocks, and a block with ref_count > 1 is never written to.
+        whole blocks, and a block with ref_count > 1 is never written to. A request with
+        per-request state shares only up to the last cached block whose boundary has a
+        state checkpoint (none without checkpoints): KV alone cannot rebuild its state.
         """
-        if not self.enable_prefix_caching:
-            return []
         memo = self._memo
         if memo is not None and memo[0] is seq and memo[1] == seq.num_tokens and memo[2] == self._version:
-            return memo[3]
+            return memo[3], memo[4], memo[5]
         hits: list[int] = []
+        hashes: list[int] = []
         h = -1
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
@@ -97,8 +112,37 @@ class BlockManager:
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 break  # a miss is sticky: later blocks hang off a different chain
             hits.append(block_id)
-        self._memo = (seq, seq.num_tokens, self._version, hits)
-        return hits
+            hashes.append(h)
+        num_kv = len(hits)
+        if seq.has_per_req_cache:
+            store = self.state_checkpoints
+            k = num_kv
+            while k and (store is None or hashes[k - 1] not in store):
+                k -= 1
+            hits = hits[:k]
+        self._memo = (seq, seq.num_tokens, self._version, hits, hashes, num_kv)
+        return hits, hashes, num_kv
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix `seq` may resume from (see `_lookup`)."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt log probabilities need every prompt position computed
+        return self._lookup(seq)[0]
+
+    def can_resume_at(self, seq: Sequence, position: int) -> bool:
+        """Whether a waiting `seq` may start computing at `position` (a policy recomputing part
+        of its cached prefix asks): 0 always; else a block boundary within its cached KV and,
+        for a request with per-request state, one with a state checkpoint."""
+        if position == 0:
+            return True
+        if not self.enable_prefix_caching or position % self.block_size:
+            return False
+        _, hashes, num_kv = self._lookup(seq)
+        i = position // self.block_size
+        if i > num_kv:
+            return False
+        store = self.state_checkpoints
+        return not seq.has_per_req_cache or (store is not None and hashes[i - 1] in store)
 
     def num_prefix_cached_tokens(self, seq: Sequence) -> int:
         """Tokens `allocate(seq)` would serve from the prefix cache right now."""
@@ -123,7 +167,7 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         shared = sum(1 for b in hits if b in self.used_block_ids)  # cost no free block
         _, end = self._allocation_end(seq, num_new_tokens, start)
-        if len(self.free_block_ids) < -(-end // self.block_size) - shared:
+        if len(self.free_block_ids) < -(-self._cover(seq, end) // self.block_size) - shared:
             return False
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             return len(self.per_req_cache_free_groups) > 0
@@ -144,6 +188,9 @@ class BlockManager:
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.id}; call can_allocate first")
         hits = self._prefix_hits(seq)
         first, end = self._allocation_end(seq, num_new_tokens, start)
+        stateful = seq.has_per_req_cache and self.state_checkpoints is not None
+        if stateful:
+            load = self._state_load(seq, first)  # before anything changes: it may refuse `start`
         table = seq.block_table
         for block_id in hits:
             block = self.blocks[block_id]
@@ -154,10 +201,12 @@ class BlockManager:
                 block.ref_count = 1
                 self.used_block_ids.add(block_id)
             table.append(block_id)
-        for _ in range(-(-end // self.block_size) - len(hits)):
+        for _ in range(-(-self._cover(seq, end) // self.block_size) - len(hits)):
             table.append(self._take_free_block())
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = end if num_new_tokens is None else first + num_new_tokens
+        if stateful:
+            self._state_plans[seq.id] = load
         if self.enable_prefix_caching:
             self._hash_full_blocks(seq, min(end, seq.num_tokens) // self.block_size)
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
@@ -166,6 +215,22 @@ class BlockManager:
             seq.per_req_cache_group = group
         self._version += 1
 
+    def _state_load(self, seq: Sequence, first: int) -> tuple[int, int]:
+        """(checkpoint slot `seq`'s first row loads: the state after its first `first` tokens, or
+        -1; where its KV hit ends), kept for `plan_state_checkpoints`."""
+        _, hashes, num_kv = self._lookup(seq)
+        slot = -1
+        if first:
+            if not self.can_resume_at(seq, first):
+                raise RuntimeError(
+                    f"sequence {seq.id} keeps per-request state and cannot start at position {first}: "
+                    "no state checkpoint there (a policy must ask can_resume_at)"
+                )
+            h = hashes[first // self.block_size - 1]
+            slot = self.state_checkpoints.slot(h)
+            self.state_checkpoints.touch(h)
+        return slot, num_kv * self.block_size
+
     def reserve(self, block_id: int) -> None:
         """Take a block out of the pool for good (a policy's padding block): never handed to a request."""
         if block_id not in self.free_block_ids:
@@ -173,7 +238,7 @@ class BlockManager:
         self.free_block_ids.remove(block_id)
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
+            self._forget_hash(block.hash)
         block.hash, block.token_ids = -1, []
         self.num_blocks -= 1
         self.reserved_block_ids.add(block_id)
@@ -184,10 +249,16 @@ class BlockManager:
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
+            self._forget_hash(block.hash)
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
+
+    def _forget_hash(self, h: int) -> None:
+        """The cache loses the block named `h`; a checkpoint there could never be hit again."""
+        del self.hash_to_block_id[h]
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.discard(h)
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -205,13 +276,22 @@ class BlockManager:
             self.per_req_cache_used_groups.remove(seq.per_req_cache_group)
             self.per_req_cache_free_groups.append(seq.per_req_cache_group)
             seq.per_req_cache_group = -1
+        self._state_plans.pop(seq.id, None)
         self._version += 1
 
     # -- growth: the next prefill chunk, or decode ------------------------------------
 
+    def _cover(self, seq: Sequence, end: int) -> int:
+        """Positions a table must cover when a step computes up to `end`.
+
+        A step that samples (it reaches the sequence's end) is followed by the proposer,
+        whose draft layers write KV up to `num_lookahead_slots` positions further on.
+        """
+        return end + self.num_lookahead_slots if end >= seq._num_tokens else end
+
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         # This step writes KV for positions [num_computed, num_computed + num_new_tokens).
-        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return -(-self._cover(seq, seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
@@ -229,7 +309,7 @@ class BlockManager:
         """
         table = seq.block_table
         end = seq.num_computed_tokens + num_new_tokens
-        missing = -(-end // self.block_size) - len(table)
+        missing = -(-self._cover(seq, end) // self.block_size) - len(table)
         if missing > 0:
             if missing > len(self.free_block_ids):
                 return False
@@ -256,3 +336,55 @@ class BlockManager:
             h = self.compute_hash(token_ids, prefix)
             self.blocks[table[i]].update(h, token_ids)
             self.hash_to_block_id[h] = table[i]
+
+    # -- state checkpoints ------------------------------------------------------------
+
+    def plan_state_checkpoints(
+        self, seqs: list[Sequence], firsts: list[int], num_tokens: list[int]
+    ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]]]:
+        """What a finished batch loads and saves, by row: ({row: checkpoint slot}, {row: [(position, slot)]}).
+
+        A row loads before the step when it is the first of a request resuming from a
+        checkpoint. A prompt row saves the state after `position` tokens (a block boundary
+        inside or at the end of the row) when the position is the row's own end, the last
+        boundary a repeat of the prompt could resume from (`(num_tokens - 1) // block_size`
+        blocks), or the end of the request's KV hit, where its prefix parted from every
+        cached one (the next request sharing that prefix resumes there). Slots are taken
+        free or least recently used; a slot loaded or saved in this batch is never taken.
+        Called once per step, after every lookup: what is saved here is used from the next step.
+        """
+        store = self.state_checkpoints
+        loads: dict[int, int] = {}
+        saves: dict[int, list[tuple[int, int]]] = {}
+        if store is None:
+            return loads, saves
+        bs = self.block_size
+        rows = []
+        for row, seq in enumerate(seqs):
+            plan = self._state_plans.get(seq.id)
+            if plan is None or seq.type is SequenceType.DECODE:
+                continue
+            slot, kv_end = plan
+            if slot != -1:
+                loads[row] = slot
+                self._state_plans[seq.id] = (-1, kv_end)
+            rows.append((row, seq, firsts[row], firsts[row] + num_tokens[row], kv_end))
+        pinned = set(loads.values())
+        for row, seq, first, end, kv_end in rows:
+            tail = (seq.num_tokens - 1) // bs * bs
+            chunk_end = end if end % bs == 0 else 0
+            for position in sorted({p for p in (chunk_end, tail, kv_end) if first < p <= end}):
+                h = self.blocks[seq.block_table[position // bs - 1]].hash
+                if h == -1:
+                    continue
+                if h in store:
+                    store.touch(h)
+                    continue
+                slot = store.assign(h, pinned)
+                if slot == -1:
+                    break  # every slot is loaded or saved this step
+                pinned.add(slot)
+                saves.setdefault(row, []).append((position, slot))
+        if saves:
+            self._version += 1
+        return loads, saves

@@ -33,17 +33,31 @@ def resolve_model(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from atom_core.fetch import default_cache_dir
-        from atom_core.gguf_loader import gguf_to_hf_folder
+        from atom_core.gguf_loader import gguf_to_hf_folder, write_gguf_blocks
+        from atom_core.loader import GGUF_BLOCKS_FILE
 
         stat = path.stat()
         out = default_cache_dir() / "models" / f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
-        return out if (out / "config.json").exists() else gguf_to_hf_folder(path, out)
+        if not (out / "config.json").exists():
+            return gguf_to_hf_folder(path, out)
+        if not (out / GGUF_BLOCKS_FILE).exists():  # converted before Atom kept the quantized blocks
+            write_gguf_blocks(path, out)
+        return out
     if (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
         f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
         "(Atom does not download from a model hub; `atom fetch` installs the default model)"
     )
+
+
+def text_config_of(hf_config: Any) -> Any:
+    """The language model's config of a multimodal checkpoint (Atom runs its text model), under the
+    checkpoint's own `architectures`, by which a model plugin registers it; a text config as is."""
+    text = hf_config.get_text_config()
+    if text is not hf_config:
+        text.architectures = hf_config.architectures
+    return text
 
 
 @attrs.define
@@ -66,7 +80,7 @@ class LLMEngine:
         from transformers import AutoConfig
 
         folder = resolve_model(model)
-        hf_config = AutoConfig.from_pretrained(folder)
+        hf_config = text_config_of(AutoConfig.from_pretrained(folder))
         config = Config(model=str(folder), **kwargs)
         config = attrs.evolve(config, **self._model_defaults(config, hf_config, folder))
         self.tokenizer = self._load_tokenizer(folder)
@@ -78,6 +92,7 @@ class LLMEngine:
             num_kvcache_blocks=self.runner.num_kvcache_blocks,
             num_per_req_cache_groups=self.runner.num_per_req_cache_groups,
             per_req_cache_equiv_blocks=self.runner.per_req_cache_equiv_blocks,
+            gdn_checkpoint_slots=self.runner.num_state_checkpoints,  # what was allocated: 0 without state
         )
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
@@ -149,6 +164,10 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer, and this model folder has none")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
@@ -239,6 +258,8 @@ class LLMEngine:
             "finish_reason": seq.leave_reason,
             "num_prompt_tokens": seq.num_prompt_tokens,
             "num_cached_tokens": req.num_cached_tokens or 0,
+            "logprobs": seq.logprobs if seq.sampling_params.logprobs is not None else None,
+            "prompt_logprobs": seq.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None,
             "ttft": ttft,
             "tpot": tpot,
         }

@@ -21,6 +21,8 @@ from atom_core.attention import AttentionMetadataBuilder
 from atom_core.config import Config
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.loader import load_model_weights
+from atom_core.logprobs import token_logprobs
+from atom_core.layers.quant import quantize_model
 from atom_core.plugins import get_registry
 from atom_core.sampler import SamplingMetadata
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
@@ -89,7 +91,7 @@ class ModelRunner:
         self.proposer: Proposer | None = get_registry("proposers", pm).get(spec.method)(self, spec) if spec else None
         self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
         draft_modules = self.proposer.draft_modules() if self.proposer else []
-        self._aux_hidden: list[torch.Tensor] = []
+        self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
         if self.proposer and self.proposer.aux_hidden_layers:
             self._capture_aux_hidden(self.proposer.aux_hidden_layers)
         self.attn_layers = [
@@ -120,6 +122,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_model_weights(model, self.config.model)
+        quantize_model(model, self.config)  # Config.quantization: which Linears run quantized
         for module in model.modules():  # kernels chosen for the loaded weights' device and dtype
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
@@ -133,27 +136,47 @@ class ModelRunner:
         layers = max(stacks, key=len)
         store = self._aux_hidden
 
-        def keep(module, args, output):
-            store.append(output[0] if isinstance(output, tuple) else output)
+        def keep(slot: int):
+            def hook(module, args, output):
+                store[slot] = output[0] if isinstance(output, tuple) else output
 
-        for i in layer_ids:
+            return hook
+
+        for slot, i in enumerate(layer_ids):  # kept in the order named, whatever order the layers run in
             if not 0 <= i < len(layers):
                 raise ValueError(f"the proposer reads hidden states of layer {i}; the model has {len(layers)} layers")
-            layers[i].register_forward_hook(keep)
+            layers[i].register_forward_hook(keep(slot))
 
     # -- KV pool -------------------------------------------------------------------------
 
     def _size_kv_pool(self) -> int:
-        """Blocks for the paged pool, after the per-request state groups have taken their share."""
+        """Blocks for the paged pool, after the per-request state groups and checkpoints have taken their share."""
         cfg, bs = self.config, self.block_size
         block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
         # Stateful attention (GDN) keeps one group of per-request state outside the pool;
         # every group is reserved up front, so the budget pays for them first.
-        stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
-        group_bytes = sum(b.compute_per_req_cache_bytes() * b.slots_per_req() for b in stateful)
+        stateful = {t: b for t, b in self.attn_builders.items() if b.compute_per_req_cache_bytes()}
+        group_bytes = sum(b.compute_per_req_cache_bytes() * b.slots_per_req() for b in stateful.values())
         groups_field = "num_per_req_cache_groups" if cfg.num_per_req_cache_groups else "max_num_seqs"
         self.num_per_req_cache_groups = (cfg.num_per_req_cache_groups or cfg.max_num_seqs) if stateful else 0
         self.group_bytes = group_bytes
+        # Prefix caching resumes such a request only from a state checkpoint: slots of the
+        # same size after the groups, paid from the same budget.
+        self.num_state_checkpoints = 0
+        if stateful and cfg.enable_prefix_caching:
+            unable = sorted(t for t, b in stateful.items() if not b.supports_state_checkpoints())
+            if unable:
+                raise ValueError(
+                    f"prefix caching needs state checkpoints from every attention type with per-request state; "
+                    f"{', '.join(map(repr, unable))} keeps none: set enable_prefix_caching=False"
+                )
+            if not cfg.gdn_checkpoint_slots:
+                raise ValueError(
+                    "prefix caching on a model with per-request state resumes a prompt only "
+                    "from a state checkpoint, and gdn_checkpoint_slots=0 keeps none: set gdn_checkpoint_slots "
+                    "to 1 or more, or enable_prefix_caching=False"
+                )
+            self.num_state_checkpoints = cfg.gdn_checkpoint_slots
         per_request = -(-cfg.max_model_len // bs) + cfg.num_speculative_tokens  # blocks for one full request
         if cfg.num_kvcache_blocks is not None:
             num_blocks = cfg.num_kvcache_blocks
@@ -167,14 +190,19 @@ class ModelRunner:
             else:
                 budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
                 source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
-            groups_total = self.num_per_req_cache_groups * group_bytes
+            checkpoints = self.num_state_checkpoints
+            groups_total = (self.num_per_req_cache_groups + checkpoints) * group_bytes
             if group_bytes and budget - groups_total < per_request * block_bytes:
-                fit = max(0, (budget - per_request * block_bytes) // group_bytes)
+                fit = max(0, (budget - per_request * block_bytes) // group_bytes - checkpoints)
+                also, beside, lower = "", "", groups_field
+                if checkpoints:
+                    also = f" and {checkpoints} state checkpoints as big (gdn_checkpoint_slots={checkpoints})"
+                    beside, lower = f" beside the {checkpoints} checkpoints", f"{groups_field} or gdn_checkpoint_slots"
                 raise ValueError(
                     f"the KV budget from {source} cannot hold {self.num_per_req_cache_groups} per-request state "
-                    f"groups of {group_bytes} bytes ({groups_field}={self.num_per_req_cache_groups}) plus the "
+                    f"groups of {group_bytes} bytes ({groups_field}={self.num_per_req_cache_groups}){also} plus the "
                     f"{per_request} blocks of {block_bytes} bytes one request of max_model_len={cfg.max_model_len} "
-                    f"tokens needs; at most {fit} groups fit: lower {groups_field}, or raise kv_cache_memory"
+                    f"tokens needs; at most {fit} groups fit{beside}: lower {lower}, or raise kv_cache_memory"
                 )
             num_blocks = (budget - groups_total) // max(block_bytes, 1)
             # More than every running request at full length can never be used.
@@ -193,14 +221,14 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
-        # Per-request state groups (GDN-style attention), counted by `_size_kv_pool`; the
-        # scheduler must hand out exactly as many as were allocated, so the engine reads
-        # this count back.
+        # Per-request state groups (GDN-style attention), then the state checkpoints, counted
+        # by `_size_kv_pool`; the scheduler must hand out exactly as many as were allocated,
+        # so the engine reads these counts back.
         stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
         for builder in self.attn_builders.values():
             self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
         for builder in stateful:
-            slots = self.num_per_req_cache_groups * builder.slots_per_req()
+            slots = (self.num_per_req_cache_groups + self.num_state_checkpoints) * builder.slots_per_req()
             self.per_req_cache_tensors.update(builder.allocate_per_req_cache(slots))
         kv_cache_data = {}
         for i, module in enumerate(self.attn_layers):
@@ -258,10 +286,15 @@ class ModelRunner:
             if any(drafts):
                 probs = [seqs[r].spec_token_probs for r in sample_ids]
                 tokens = self.verifier(logits, drafts, probs, sampling)
+                accepted = {row: len(t) - 1 for row, d, t in zip(rows, drafts, tokens) if d}
+                for builder in self.attn_builders.values():
+                    builder.commit_speculation(batch, accepted)
             else:
                 tokens = [[t] for t in self.sampler(logits, sampling).tolist()]
+        logprobs = self._logprobs(sample_ids, seqs, drafts, tokens, logits) if rows else {}
+        prompt_logprobs = self._prompt_logprobs(batch, seqs, meta, hidden)
         t3 = time.perf_counter()
-        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) if rows else {}
+        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden)
         timings = self.timings
         timings["prepare"] += t1 - t0
         timings["forward"] += t2 - t1
@@ -276,32 +309,80 @@ class ModelRunner:
             starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
             self.last_logits = logits[torch.from_numpy(starts + [len(t) - 1 for t in tokens])]
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
+        out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
             out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
             out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
         return out
 
+    def _logprobs(self, sample_ids, seqs, drafts, tokens, logits) -> dict[int, list]:
+        """Each emitted token's log probability (and the top n) from the raw logits that scored it."""
+        out = {}
+        start = 0
+        for rid, d, t in zip(sample_ids, drafts, tokens):
+            n = seqs[rid].sampling_params.logprobs
+            if n is not None:
+                out[rid] = token_logprobs(logits[start : start + len(t)], t, n)
+            start += len(d) + 1
+        return out
+
+    def _prompt_logprobs(self, batch, seqs, meta, hidden) -> dict[int, tuple[int, list]]:
+        """For requests that asked: (index of the first prompt token scored, entries) for this step's chunk.
+
+        Position p scores prompt token p + 1; tokens already scored before a preemption are skipped.
+        """
+        out = {}
+        for i, (rid, first, n) in enumerate(zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)):
+            seq = seqs[rid]
+            num_top = seq.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            lo = max(first, len(seq.prompt_logprobs) - 1)
+            hi = min(first + n, seq.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            at = int(meta.query_start_loc_cpu[i]) - first
+            logits = self.model.compute_logits(hidden[at + lo : at + hi]).float()
+            out[rid] = (lo + 1, token_logprobs(logits, seq.token_ids[lo + 1 : hi + 1], num_top))
+        return out
+
     def _propose(self, batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) -> dict:
-        """The proposer's drafts for the requests that sampled, within each one's limit."""
+        """The proposer's drafts for the requests that sampled, within each one's limit.
+
+        Called after every step, sampling or not: a proposer with KV layers of its own
+        writes them for every token the target kept (middle prompt chunks too).
+        """
         if self.proposer is None:
             return {}
         row_seqs = [seqs[batch.req_ids[i]] for i in rows]
         k, max_len = self.proposer.k, self.config.max_model_len
         limits = [wanted_drafts(s, len(t), k, max_len) for s, t in zip(row_seqs, tokens)]
-        if not any(limits):
-            return {}
+        # The last verified token of each row: its successor is the token just sampled.
+        token_index = [int(e) - 1 - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)]
+        query_start_loc = meta.query_start_loc_cpu
+        verified_end = query_start_loc[1:].copy()
+        verified_end[rows] = np.asarray(token_index, dtype=np.int64) + 1
+        # The token after each row's last verified one: the next prompt token of a middle
+        # chunk, the token just emitted where the row sampled.
+        sampled = dict(zip(rows, tokens))
+        rows_info = zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)
+        next_token_ids = [
+            sampled[r][-1] if r in sampled else seqs[rid].token_ids[first + n] for r, (rid, first, n) in enumerate(rows_info)
+        ]
         inp = ProposalInput(
             seqs=row_seqs,
             new_token_ids=tokens,
             max_drafts=limits,
             batch=batch,
             batch_rows=rows,
-            # The last verified token of each row: its successor is the token just sampled.
-            token_index=[int(e) - 1 - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)],
+            token_index=token_index,
             input_ids=input_ids,
             positions=meta.positions,
             hidden_states=hidden,
-            aux_hidden_states=self._aux_hidden,
+            aux_hidden_states=[self._aux_hidden[j] for j in range(len(self._aux_hidden))],
+            query_start_loc=query_start_loc,
+            verified_end=verified_end,
+            next_token_ids=next_token_ids,
         )
         proposed = self.proposer.propose(inp)
         out = {}

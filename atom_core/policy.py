@@ -93,6 +93,11 @@ class StepBuilder:
     def num_prefix_cached_tokens(self, seq: Sequence) -> int:
         return self._sched.block_manager.num_prefix_cached_tokens(seq)
 
+    def can_resume_at(self, seq: Sequence, position: int) -> bool:
+        """Whether a waiting request may be admitted with `start=position` (recomputing part of its
+        cached prefix): a request with per-request state resumes only where a state checkpoint is."""
+        return self._sched.block_manager.can_resume_at(seq, position)
+
     def is_scheduled(self, seq: Sequence) -> bool:
         return seq.id in self._scheduled
 

@@ -34,6 +34,11 @@ def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"seed must be an integer or None, got {value!r}")
 
 
+def _num_logprobs(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{attr.name} must be None or an integer >= 0 (how many top tokens to report), got {value!r}")
+
+
 def _stop_strings(value: object) -> list[str]:
     if value is None:
         return []
@@ -56,6 +61,10 @@ class SamplingParams:
     # ignore_eos or not: vLLM's per-request stop_token_ids.
     stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
     seed: int | None = attrs.field(default=None, validator=_seed)
+    # Log probabilities (vLLM's): for each generated token its own and the top n; for each
+    # prompt token after the first likewise. Raw logits' log-softmax, before temperature.
+    logprobs: int | None = attrs.field(default=None, validator=_num_logprobs)
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_num_logprobs)
 
     @property
     def is_greedy(self) -> bool:

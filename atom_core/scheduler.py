@@ -33,6 +33,12 @@ class ScheduledBatch:
     its KV once the step has written) and `do_sample` (whether its tokens reach the end
     of the sequence: a middle prompt chunk samples nothing). A padding policy (spyre)
     also fills `left_pad_blocks`, `tkvs` and `pad_block`; other policies leave them None.
+
+    With prefix caching on a model with per-request state, `state_loads` maps a row to
+    the checkpoint slot whose state it starts from (instead of its group's), and
+    `state_saves` maps a row to `(position, slot)` pairs: copy the state after the
+    sequence's first `position` tokens into that checkpoint slot. Slots are numbered
+    after the groups. Both are empty otherwise.
     """
 
     def __init__(
@@ -53,6 +59,8 @@ class ScheduledBatch:
         left_pad_blocks: list[int] | None = None,
         tkvs: list[int] | None = None,
         pad_block: int | None = None,
+        state_loads: dict[int, int] | None = None,
+        state_saves: dict[int, list[tuple[int, int]]] | None = None,
     ):
         values = list(seqs.values())
         self.req_ids = list(seqs.keys())
@@ -92,6 +100,8 @@ class ScheduledBatch:
         self.left_pad_blocks = left_pad_blocks
         self.tkvs = tkvs
         self.pad_block = pad_block
+        self.state_loads = state_loads or {}
+        self.state_saves = state_saves or {}
 
     @property
     def last_block_num_tokens(self) -> list[int]:
@@ -132,6 +142,9 @@ class ScheduledBatchOutput:
         self.token_ids = token_ids
         self.draft_token_ids = draft_token_ids
         self.draft_probs = draft_probs  # per request [num_drafts, vocab], from proposers that have them
+        # Requests that asked for them: per emitted token, and (first prompt index, entries) per chunk.
+        self.logprobs: dict[int, list[dict[int, float]]] = {}
+        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
 
 
 class Scheduler:
@@ -285,6 +298,10 @@ class Scheduler:
         total = sum(num_tokens)
         decode_tokens = sum(num_tokens[:num_decode]) if num_prefill else total
         pads, tkvs = step.left_pad_blocks, step.tkvs
+        loads = saves = None
+        if num_prefill and self.block_manager.state_checkpoints is not None:
+            # Last, after every lookup of this step: a checkpoint saved now serves from the next step.
+            loads, saves = self.block_manager.plan_state_checkpoints(rows, firsts, num_tokens)
         batch = ScheduledBatch(
             seqs,
             num_tokens,
@@ -300,6 +317,8 @@ class Scheduler:
             left_pad_blocks=[pads[i] for i in seqs] if pads is not None else None,
             tkvs=[tkvs[i] for i in seqs] if tkvs is not None else None,
             pad_block=step.pad_block,
+            state_loads=loads,
+            state_saves=saves,
         )
         if num_prefill:
             self.prev_prompt = True
@@ -332,7 +351,11 @@ class Scheduler:
         get_tokens = fwd_output.token_ids.get
         running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
         stats, verified = self.spec_stats, False
+        prompt_logprobs, logprobs = fwd_output.prompt_logprobs, fwd_output.logprobs
         for seq in seqs:
+            if prompt_logprobs and seq.id in prompt_logprobs and seq.status is running:
+                start, entries = prompt_logprobs[seq.id]
+                seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - start :])
             token_ids = get_tokens(seq.id)
             if token_ids is None or seq.status is not running:
                 continue  # a middle prompt chunk, or aborted or preempted since it was scheduled
@@ -341,8 +364,11 @@ class Scheduler:
             # Token by token: nothing after a stop reaches the sequence, the output or the counts.
             reason = None
             committed = 0
+            token_logprobs = logprobs.get(seq.id) if logprobs else None
             for token_id in token_ids:
                 seq.append_token(token_id)
+                if token_logprobs is not None:
+                    seq.logprobs.append(token_logprobs[committed])
                 committed += 1
                 if not seq.first_token_time:
                     seq.first_token_time = now

@@ -80,6 +80,8 @@ class Sequence:
         self.stream_callback = stream_callback
         self.output_tokens: list[int] = []  # new tokens not yet streamed
         self.spec_token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # per generated token, when asked for
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]  # per prompt token; the first has none
         self.spec_token_probs = None  # the proposer's distributions for spec_token_ids, if it has them
         self.draft_gate = None  # speculative decoding: whether this request keeps drafting (DraftGate)
         self.num_placeholder = 0

@@ -5,8 +5,9 @@ The core knows no proposer by name. `SpeculativeConfig.method` picks a class fro
 "samplers" registry (both registered by the `atom_spec` plugin, or a third party's).
 Every step the runner verifies the drafts it scheduled, then hands the proposer a
 `ProposalInput` describing the step and gets back up to k drafts per request. A draft
-model's attention layers take their KV from the same builders and pool
-(`Proposer.num_draft_layers`).
+model's attention layers take their KV from the same builders and pool, under the same
+block tables (`Proposer.draft_modules`); the block manager allocates k lookahead slots
+past each sampling step's end for the positions a chained draft writes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
+import numpy as np
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # `import atom_core` loads no torch (the scheduler imports this module)
+    import torch
+
     from atom_core.scheduler import ScheduledBatch
     from atom_core.sequence import Sequence
 
@@ -34,12 +37,24 @@ class Drafts:
 
 @attrs.define(kw_only=True)
 class ProposalInput:
-    """What one step tells the proposer. Rows are the requests that sampled, in batch order.
+    """What one step tells the proposer.
+
+    Two views of the step. The *drafting rows* (`seqs`, `new_token_ids`, `max_drafts`,
+    `batch_rows`, `token_index`) are the requests that sampled, in batch order: they get
+    drafts. The *batch rows* (`query_start_loc`, `verified_end`, `next_token_ids`, one
+    entry per row of `batch`, middle prompt chunks included) say which tokens the target
+    computed and kept, so a proposer with KV layers of its own can run them over every
+    verified token of the step, shifted by one: position p with the token at p + 1.
 
     `hidden_states` holds the target's final hidden state for every token the step ran
     (rows of `batch.scheduled_tokens`); `aux_hidden_states` the outputs of the decoder
-    layers the proposer named in `aux_hidden_layers`. `token_index[i]` is the position in
-    those tensors of row i's last verified token (the one whose successor was sampled).
+    layers the proposer named in `aux_hidden_layers`, in that order. `token_index[i]` is
+    the position in those tensors of drafting row i's last verified token (the one whose
+    successor was sampled). Tokens of a row from `verified_end` on were rejected drafts:
+    their KV is overwritten next step.
+
+    The runner calls `propose` after every step, also when no row samples or none wants
+    drafts (`max_drafts` all 0), so that draft KV never falls behind the target's.
     """
 
     seqs: list[Sequence]
@@ -53,15 +68,24 @@ class ProposalInput:
     hidden_states: torch.Tensor
     aux_hidden_states: list[torch.Tensor] = attrs.field(factory=list)
     attn_metadata: dict[str, Any] = attrs.field(factory=dict)
+    # Per row of `batch`: its tokens are [query_start_loc[r], query_start_loc[r + 1]) of the
+    # step's tensors, the verified ones [query_start_loc[r], verified_end[r]) (every token
+    # of a row without drafts), and `next_token_ids[r]` is the token after the last verified
+    # one: the next prompt token of a middle chunk, the token just emitted for a row that sampled.
+    query_start_loc: np.ndarray = attrs.field(factory=lambda: np.zeros(1, dtype=np.int64))
+    verified_end: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
+    next_token_ids: list[int] = attrs.field(factory=list)
 
 
 class Proposer:
     """Base class of a speculative-decoding method.
 
     Subclasses implement `propose`. One with weights loads them in `__init__` from
-    `spec_config.model` (or the target checkpoint) and declares the KV layers it needs
-    in `num_draft_layers`; one that reads the target's intermediate hidden states names
-    the decoder layers in `aux_hidden_layers`.
+    `spec_config.model` (or the target checkpoint) and returns the modules holding its
+    attention layers from `draft_modules` (each with a `layer_id` past the target's, so
+    the builders give it a KV layer of its own; `num_draft_layers` counts them); one
+    that reads the target's intermediate hidden states names the decoder layers whose
+    outputs it wants in `aux_hidden_layers`.
     """
 
     num_draft_layers: int = 0
@@ -77,7 +101,11 @@ class Proposer:
         return []
 
     def propose(self, inp: ProposalInput) -> list[Drafts | None]:
-        """Up to k drafts for each row of `inp` (None or an empty list: no drafts)."""
+        """Up to `inp.max_drafts[i]` drafts for each drafting row i (None or an empty list: none).
+
+        `probs` only where the drafts were sampled from them; a draft taken by argmax is
+        one-hot (probs=None), and passing the softmax instead would not be lossless.
+        """
         raise NotImplementedError
 
 

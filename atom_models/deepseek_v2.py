@@ -4,7 +4,8 @@ Attention caches one latent row per token (`MLAAttention`, the "mla" builder). q
 latent come out of one fused GEMM (`qkv_a_proj` = q_proj or q_a_proj, plus
 kv_a_proj_with_mqa). V3 differs in routing only (sigmoid scores with a correction bias,
 `noaux_tc`); the checkpoint's multi-token-prediction layer (index `num_hidden_layers`)
-is read past, not loaded.
+is read past by the target and loaded as a draft model by `make_mtp_module` (the "mtp"
+proposer asks for it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from atom_core.layers import (
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
-from atom_core.loader import SKIP
+from atom_core.loader import SKIP, packed_target
 from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
@@ -186,6 +187,76 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
             return SKIP
         return self._experts(name) if self._experts is not None else None
+
+    def make_mtp_module(self) -> DeepseekMTP:
+        """The checkpoint's multi-token-prediction layer as a draft model (the "mtp" proposer's).
+
+        Built in the caller's default dtype and device; load it with
+        `load_model_weights(module, folder)` from the target's own checkpoint.
+        """
+        n = getattr(self.config, "num_nextn_predict_layers", 0) or 0
+        if n < 1:
+            raise ValueError(
+                f"{type(self).__name__}: this checkpoint has no multi-token-prediction layer "
+                f"(num_nextn_predict_layers={n} in config.json); speculative method 'mtp' needs one"
+            )
+        return DeepseekMTP(self.config, self.model.layer_cls, self.model.embed_tokens, self.model.rotary_emb)
+
+
+class DeepseekMTP(nn.Module):
+    """DeepSeek-V3's next-token-prediction layer (checkpoint index `num_hidden_layers`) as a draft model.
+
+    At position p, from the target's final hidden state h_p and the token t_{p+1}:
+    h' = eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)]) -> decoder layer -> shared_head.norm,
+    and the logits of t_{p+2} are shared_head.head of that. The normed output is also the
+    hidden state the next chained step reads. The embedding and rope are the target's; the
+    decoder layer's attention is one more KV layer (layer id `num_hidden_layers`) in the pool.
+
+    Draft-model protocol (atom_spec/draft.py): `forward(input_ids, positions, hidden) ->
+    (hidden for the logits, hidden for the next step)`, `compute_logits`, `draft_id_to_target`.
+    """
+
+    packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
+    draft_id_to_target = None  # drafts are target token ids
+
+    def __init__(self, cfg: Any, layer_cls: type, embed_tokens: nn.Embedding, rotary_emb: nn.Module):
+        super().__init__()
+        self.layer_index = n = cfg.num_hidden_layers
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+        self.layer = layer_cls(cfg, n)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, eps)
+        self.shared_head.head = Linear(h, cfg.vocab_size, bias=False)
+        self._target = (embed_tokens, rotary_emb)  # the target's: a tuple, not registered twice
+        self.checkpoint_prefix = f"model.layers.{n}."
+        self._experts = FusedMoE.checkpoint_mapping() if is_moe_layer(cfg, n) else None
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """`model.layers.{N}.*` -> this module's parameters; everything else (the target) is skipped."""
+        if not name.startswith(self.checkpoint_prefix):
+            return SKIP
+        rest = name[len(self.checkpoint_prefix) :]
+        if rest.startswith("embed_tokens."):  # a copy of the target's, which this module shares
+            return SKIP
+        if not rest.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.")):
+            rest = "layer." + rest
+        found = self._experts(rest) if self._experts is not None else None
+        return found if found is not None else packed_target(rest, self.packed_modules_mapping)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        embed, rotary = self._target
+        x = self.eh_proj(torch.cat([self.enorm(embed(input_ids)), self.hnorm(hidden)], dim=-1))
+        cos, sin = rotary(positions, x.dtype)
+        x = self.shared_head.norm(self.layer(x, cos, sin))
+        return x, x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(hidden)
 
 
 class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):

@@ -12,6 +12,12 @@ def atom_register_models(registry):
     registry.register("Qwen3NextForCausalLM", "atom_models.qwen3_next:Qwen3NextForCausalLM")
     registry.register("Qwen3_5ForCausalLM", "atom_models.qwen3_5:Qwen3_5ForCausalLM")
     registry.register("Qwen3_5MoeForCausalLM", "atom_models.qwen3_5:Qwen3_5MoeForCausalLM")
+    # The multimodal releases: their text model (the vision tower's weights are skipped).
+    registry.register("Qwen3_5ForConditionalGeneration", "atom_models.qwen3_5:Qwen3_5ForCausalLM")
+    registry.register("Qwen3_5MoeForConditionalGeneration", "atom_models.qwen3_5:Qwen3_5MoeForCausalLM")
     registry.register("MixtralForCausalLM", "atom_models.mixtral:MixtralForCausalLM")
     registry.register("DeepseekV2ForCausalLM", "atom_models.deepseek_v2:DeepseekV2ForCausalLM")
     registry.register("DeepseekV3ForCausalLM", "atom_models.deepseek_v2:DeepseekV3ForCausalLM")
+    # EAGLE-3 draft heads: built beside a target by the "eagle3" proposer, never run alone.
+    registry.register("LlamaForCausalLMEagle3", "atom_models.llama_eagle3:LlamaForCausalLMEagle3")
+    registry.register("Eagle3LlamaForCausalLM", "atom_models.llama_eagle3:LlamaForCausalLMEagle3")

@@ -6,6 +6,8 @@ from atom_core import hookimpl
 @hookimpl
 def atom_register_proposers(registry):
     registry.register("ngram", "atom_spec.ngram:NgramProposer")
+    registry.register("mtp", "atom_spec.mtp:MTPProposer")
+    registry.register("eagle3", "atom_spec.eagle3:Eagle3Proposer")
 
 
 @hookimpl

@@ -213,8 +213,10 @@ ARCHS = {
 NEW_TOKENS = 24
 
 
-def build_tiny_model(name: str, folder: Path, seed: int = 0):
-    """Save a 2-layer random model under `folder`; returns the transformers model (float32, eager)."""
+def build_tiny_model(name: str, folder: Path, seed: int = 0, **overrides):
+    """Save a 2-layer random model under `folder`; returns the transformers model (float32, eager).
+
+    `overrides` replace config values of the arch (`num_hidden_layers=8`, say)."""
     import transformers
 
     spec = ARCHS[name]
@@ -228,7 +230,8 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0):
         initializer_range=0.1,
         attn_implementation="eager",
     )
-    config = getattr(transformers, spec["config"])(**{**defaults, **spec["kwargs"]})  # an arch may override a default
+    # an arch may override a default, a caller the arch
+    config = getattr(transformers, spec["config"])(**{**defaults, **spec["kwargs"], **overrides})
     model = getattr(transformers, spec["cls"])(config).eval()
     with torch.no_grad():  # random init leaves norms at 1: give the oracle something to check
         for p in model.parameters():
@@ -326,3 +329,122 @@ def make_gdn_engine(folder, **config):
     # The null block past the pool stays zero.
     engine.runner.kv_cache_tensors["kv_cache"][:, :, :, : config["num_kvcache_blocks"]].fill_(float("nan"))
     return engine
+
+
+# -- draft checkpoints for speculative decoding (tests/test_draft_proposers.py) ----------
+
+
+def _random(shape, g: torch.Generator, norm: bool = False) -> torch.Tensor:
+    t = torch.randn(shape, generator=g) * 0.1
+    return t + 1 if norm else t
+
+
+def add_mtp_layer(folder: Path, name: str = "deepseek_v3", seed: int = 1):
+    """Give the tiny DeepSeek checkpoint in `folder` a random MTP layer at index `num_hidden_layers`.
+
+    transformers builds no MTP weights, and ignores them when loading. The decoder layer's
+    tensors (hub names, experts one by one) come from a transformers model one layer deeper;
+    enorm, hnorm, eh_proj and shared_head are random, embed_tokens a copy of the target's
+    (as DeepSeek-V3 ships it). Sets `num_nextn_predict_layers=1`. Returns that deeper model's
+    layer (a transformers module holding the same weights, for reference computations).
+    """
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    prefix = f"model.layers.{n}."
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper = build_tiny_model(name, Path(tmp), seed=seed, num_hidden_layers=n + 1)
+        donor = load_file(Path(tmp) / "model.safetensors")
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({k: v for k, v in donor.items() if k.startswith(prefix)})
+    g = torch.Generator().manual_seed(seed)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    extra = {
+        "enorm.weight": _random(h, g, norm=True),
+        "hnorm.weight": _random(h, g, norm=True),
+        "eh_proj.weight": _random((h, 2 * h), g),
+        "shared_head.norm.weight": _random(h, g, norm=True),
+        "shared_head.head.weight": _random((v, h), g),
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+    }
+    tensors.update({prefix + k: t for k, t in extra.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return deeper.model.layers[n]
+
+
+def build_eagle3_head(
+    folder: Path, target_folder: Path, draft_vocab: list[int], aux_layer_ids: list[int] | None = None, seed: int = 2
+) -> None:
+    """A random EAGLE-3 draft head for the tiny Llama in `target_folder`, in the published layout.
+
+    `draft_vocab` lists the target ids the head predicts (d2t[i] = draft_vocab[i] - i);
+    `aux_layer_ids` go to `eagle_config.eagle_aux_hidden_state_layer_ids` (None: the default).
+    No `embed_tokens`: the draft shares the target's.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    t = json.loads((target_folder / "config.json").read_text())
+    h, v, inter = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
+    nq, nkv = t["num_attention_heads"], t["num_key_value_heads"]
+    d = h // nq
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": nq,
+        "num_key_value_heads": nkv,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": t["rms_norm_eps"],
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rope_theta": 10000.0,
+        "vocab_size": v,
+        "draft_vocab_size": len(draft_vocab),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True}
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(draft_vocab, dtype=torch.int64)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {
+        "fc.weight": _random((h, 3 * h), g),
+        "midlayer.input_layernorm.weight": _random(h, g, norm=True),
+        "midlayer.hidden_norm.weight": _random(h, g, norm=True),
+        "midlayer.self_attn.q_proj.weight": _random((nq * d, 2 * h), g),
+        "midlayer.self_attn.k_proj.weight": _random((nkv * d, 2 * h), g),
+        "midlayer.self_attn.v_proj.weight": _random((nkv * d, 2 * h), g),
+        "midlayer.self_attn.o_proj.weight": _random((h, nq * d), g),
+        "midlayer.post_attention_layernorm.weight": _random(h, g, norm=True),
+        "midlayer.mlp.gate_proj.weight": _random((inter, h), g),
+        "midlayer.mlp.up_proj.weight": _random((inter, h), g),
+        "midlayer.mlp.down_proj.weight": _random((h, inter), g),
+        "norm.weight": _random(h, g, norm=True),
+        "lm_head.weight": _random((len(draft_vocab), h), g),
+        "d2t": ids - torch.arange(len(draft_vocab)),
+        "t2d": t2d,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def scale_rows(path: Path, scale: dict[str, tuple[list[int], float]]) -> None:
+    """Multiply rows of named tensors in a safetensors file (to make a head favour some tokens)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for name, (rows, factor) in scale.items():
+        tensors[name][rows] *= factor
+    save_file(tensors, path, metadata={"format": "pt"})

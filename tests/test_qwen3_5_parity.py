@@ -14,6 +14,7 @@ transformers' pure-torch GDN path ignores packed sequences, so the oracle runs o
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -73,8 +74,16 @@ def test_multimodal_checkpoint_layout_loads_text_model(tiny, tmp_path, caplog):
         "mtp.fc.weight": torch.randn(64, 128),
     }
     save_file(vision, str(copy / "model-visual.safetensors"), metadata={"format": "pt"})
+    # The released config: the text model's settings nested under `text_config`.
+    text = json.loads((copy / "config.json").read_text())
+    arch = text.pop("architectures")[0].replace("ForCausalLM", "ForConditionalGeneration")
+    outer_type = text["model_type"].removesuffix("_text")  # the tiny model is saved as the text model
+    nested = {"architectures": [arch], "model_type": outer_type, "tie_word_embeddings": text["tie_word_embeddings"]}
+    text["model_type"] = outer_type + "_text"
+    (copy / "config.json").write_text(json.dumps({**nested, "text_config": text, "vision_config": {}}))
     with caplog.at_level(logging.INFO, logger="atom"):
         engine = make_engine(copy)
+    assert engine.runner.model.__class__.__name__ == arch.replace("ForConditionalGeneration", "ForCausalLM")
     lines = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
     assert len(lines) == 1 and "3 " in lines[0], lines
     prompts = random_prompts((9, 40), seed=11)

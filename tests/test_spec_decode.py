@@ -175,3 +175,42 @@ def test_speculative_config_errors_name_the_problem(llama):
         LLMEngine(
             llama, num_kvcache_blocks=64, scheduling_policy="spyre", speculative_config=dict(method="ngram")
         )
+
+
+class HalfRightProposer(OracleProposer):
+    """The target's own next token, then wrong ones: every run is accepted only partly."""
+
+    def propose(self, inp):
+        out = super().propose(inp)
+        return [Drafts(d.token_ids[:1] + [(t + 1) % 256 for t in d.token_ids[1:]]) for d in out]
+
+
+class HalfRightPlugin:
+    @hookimpl
+    def atom_register_proposers(self, registry):
+        registry.register("half_right", HalfRightProposer)
+
+
+@pytest.mark.parametrize("method", ["ngram", "half_right"])
+def test_a_gdn_hybrid_keeps_the_state_of_the_last_accepted_token(tmp_path, plugin_manager, method):
+    """GDN state after a partly accepted run must be the state after the last accepted token,
+    not after the last draft: a wrong state changes every later token."""
+    from model_utils import make_gdn_engine
+
+    plugin_manager.register(HalfRightPlugin(), name="half-right")
+    build_tiny_model("qwen3_next", tmp_path)
+    prompts = copy_heavy_prompts()
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    plain_engine = make_gdn_engine(tmp_path, max_num_seqs=8)
+    plain_tokens = [r["token_ids"] for r in plain_engine.generate(prompts, params, use_tqdm=False)]
+    OracleProposer.answers = {tuple(p): t for p, t in zip(prompts, plain_tokens)}
+    spec = dict(method=method, num_speculative_tokens=3, min_acceptance_rate=0, prompt_lookup_min=1)
+    engine = make_gdn_engine(tmp_path, max_num_seqs=8, speculative_config=spec, max_num_batched_tokens=48)
+    tokens = [r["token_ids"] for r in engine.generate(prompts, params, use_tqdm=False)]
+    assert tokens == plain_tokens
+    stats = engine.get_spec_stats()
+    assert stats["num_draft_tokens"] > stats["num_accepted_tokens"]  # rejected drafts: the state rolls back
+    if method == "half_right":
+        assert stats["num_accepted_tokens"] == stats["num_drafts"]  # exactly one of each run
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == 96 and len(bm.per_req_cache_free_groups) == 8
