@@ -108,7 +108,9 @@ class AttentionMetadataBuilder:
         return 1
 
     def allocate_per_req_cache(self, num_slots: int) -> dict[str, torch.Tensor]:
-        """Allocate `num_slots` slots of per-request state: the groups, then the state checkpoints."""
+        """Allocate `num_slots` slots of per-request state: `num_per_req_cache_groups` x `slots_per_req()`
+        plus the state checkpoints. Slots 0..G-1 are the groups' own, the next ones the checkpoints
+        (the numbers `ScheduledBatch.state_loads` / `state_saves` use), the rest the builder's."""
         return {}
 
     def supports_state_checkpoints(self) -> bool:

@@ -167,7 +167,7 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         shared = sum(1 for b in hits if b in self.used_block_ids)  # cost no free block
         _, end = self._allocation_end(seq, num_new_tokens, start)
-        if len(self.free_block_ids) < -(-self._cover(seq, end) // self.block_size) - shared:
+        if len(self.free_block_ids) < -(-end // self.block_size) - shared:
             return False
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             return len(self.per_req_cache_free_groups) > 0
@@ -201,8 +201,9 @@ class BlockManager:
                 block.ref_count = 1
                 self.used_block_ids.add(block_id)
             table.append(block_id)
-        for _ in range(-(-self._cover(seq, end) // self.block_size) - len(hits)):
+        for _ in range(-(-end // self.block_size) - len(hits)):
             table.append(self._take_free_block())
+        self._add_lookahead(seq, end)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = end if num_new_tokens is None else first + num_new_tokens
         if stateful:
@@ -281,17 +282,18 @@ class BlockManager:
 
     # -- growth: the next prefill chunk, or decode ------------------------------------
 
-    def _cover(self, seq: Sequence, end: int) -> int:
-        """Positions a table must cover when a step computes up to `end`.
-
-        A step that samples (it reaches the sequence's end) is followed by the proposer,
-        whose draft layers write KV up to `num_lookahead_slots` positions further on.
-        """
-        return end + self.num_lookahead_slots if end >= seq._num_tokens else end
+    def _add_lookahead(self, seq: Sequence, end: int) -> None:
+        """Blocks for up to `num_lookahead_slots` positions past a sampling step's end, where a
+        draft model writes its chained KV; only from free blocks, never at another request's
+        expense (`lookahead_capacity` tells the proposer how far it may write)."""
+        if self.num_lookahead_slots and end >= seq._num_tokens:
+            want = -(-(end + self.num_lookahead_slots) // self.block_size) - len(seq.block_table)
+            for _ in range(min(want, len(self.free_block_ids))):
+                seq.block_table.append(self._take_free_block())
 
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         # This step writes KV for positions [num_computed, num_computed + num_new_tokens).
-        return -(-self._cover(seq, seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return len(self.free_block_ids) >= self._num_missing_blocks(seq, num_new_tokens)
@@ -309,12 +311,13 @@ class BlockManager:
         """
         table = seq.block_table
         end = seq.num_computed_tokens + num_new_tokens
-        missing = -(-self._cover(seq, end) // self.block_size) - len(table)
+        missing = -(-end // self.block_size) - len(table)
         if missing > 0:
             if missing > len(self.free_block_ids):
                 return False
             for _ in range(missing):
                 table.append(self._take_free_block())
+        self._add_lookahead(seq, end)
         if self.enable_prefix_caching:
             # Drafts are not tokens of the sequence yet: only known tokens are published.
             num_full = min(end, seq._num_tokens) // self.block_size

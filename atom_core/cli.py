@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -26,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
+                     help="weights: auto (the default: a GGUF keeps its 4/8-bit blocks), none, int8, int4")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's")
     gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument(
+        "--speculative-config", type=json.loads, default=None, metavar="JSON",
+        help='draft-and-verify decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
 
     fetch = sub.add_parser("fetch", help="install the default model (SmolLM2-135M-Instruct) into the cache")
     fetch.add_argument("--cache-dir", default=None, help="default: $ATOM_CACHE_DIR or ~/.cache/atom")
@@ -66,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     from atom_core.sampling_params import SamplingParams
 
     options: dict[str, Any] = {"dtype": args.dtype}
-    for name in ("max_model_len", "scheduling_policy", "max_num_batched_tokens"):
+    for name in ("max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     engine = LLMEngine(args.model, **options)

@@ -160,9 +160,10 @@ class ModelRunner:
         groups_field = "num_per_req_cache_groups" if cfg.num_per_req_cache_groups else "max_num_seqs"
         self.num_per_req_cache_groups = (cfg.num_per_req_cache_groups or cfg.max_num_seqs) if stateful else 0
         self.group_bytes = group_bytes
-        # Prefix caching resumes such a request only from a state checkpoint: slots of the
-        # same size after the groups, paid from the same budget.
+        # Prefix caching resumes such a request only from a state checkpoint: one more slot
+        # of each builder's state after the groups' slots, paid from the same budget.
         self.num_state_checkpoints = 0
+        self.checkpoint_bytes = sum(b.compute_per_req_cache_bytes() for b in stateful.values())
         if stateful and cfg.enable_prefix_caching:
             unable = sorted(t for t, b in stateful.items() if not b.supports_state_checkpoints())
             if unable:
@@ -191,12 +192,16 @@ class ModelRunner:
                 budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
                 source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
             checkpoints = self.num_state_checkpoints
-            groups_total = (self.num_per_req_cache_groups + checkpoints) * group_bytes
+            checkpoints_total = checkpoints * self.checkpoint_bytes
+            groups_total = self.num_per_req_cache_groups * group_bytes + checkpoints_total
             if group_bytes and budget - groups_total < per_request * block_bytes:
-                fit = max(0, (budget - per_request * block_bytes) // group_bytes - checkpoints)
+                fit = max(0, (budget - per_request * block_bytes - checkpoints_total) // group_bytes)
                 also, beside, lower = "", "", groups_field
                 if checkpoints:
-                    also = f" and {checkpoints} state checkpoints as big (gdn_checkpoint_slots={checkpoints})"
+                    also = (
+                        f" and {checkpoints} state checkpoints of {self.checkpoint_bytes} bytes "
+                        f"(gdn_checkpoint_slots={checkpoints})"
+                    )
                     beside, lower = f" beside the {checkpoints} checkpoints", f"{groups_field} or gdn_checkpoint_slots"
                 raise ValueError(
                     f"the KV budget from {source} cannot hold {self.num_per_req_cache_groups} per-request state "
@@ -228,7 +233,7 @@ class ModelRunner:
         for builder in self.attn_builders.values():
             self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
         for builder in stateful:
-            slots = (self.num_per_req_cache_groups + self.num_state_checkpoints) * builder.slots_per_req()
+            slots = self.num_per_req_cache_groups * builder.slots_per_req() + self.num_state_checkpoints
             self.per_req_cache_tensors.update(builder.allocate_per_req_cache(slots))
         kv_cache_data = {}
         for i, module in enumerate(self.attn_layers):

@@ -119,7 +119,10 @@ def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int |
     left = seq.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1
     if max_model_len is not None:
         left = min(left, max_model_len - num_tokens - 1)
-    return max(0, min(k, left))
+    # A draft model chains draft i's KV at position num_tokens - 3 + i, inside the blocks the
+    # request holds (lookahead blocks are taken only when free): no draft past them.
+    room = len(seq.block_table) * seq.block_size - num_tokens + 2
+    return max(0, min(k, left, room))
 
 
 def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:

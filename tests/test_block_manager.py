@@ -3,16 +3,18 @@ from collections import Counter
 import pytest
 
 from atom_core import Block, BlockManager, Config, Sequence
+from atom_core.state_checkpoints import StateCheckpoints
 from conftest import make_seq
 
 
-def manager(num_blocks=8, prefix=True, block_size=16, groups=0) -> BlockManager:
+def manager(num_blocks=8, prefix=True, block_size=16, groups=0, checkpoints=0) -> BlockManager:
     return BlockManager(
         Config(
             num_kvcache_blocks=num_blocks,
             kv_cache_block_size=block_size,
             enable_prefix_caching=prefix,
             num_per_req_cache_groups=groups,
+            gdn_checkpoint_slots=checkpoints,
         )
     )
 
@@ -289,3 +291,48 @@ def test_allocate_twice_is_an_error():
     bm.allocate(s)
     with pytest.raises(RuntimeError, match="already holds blocks"):
         bm.allocate(s)
+
+
+def test_state_checkpoints_evict_the_least_recently_used_slot_outside_the_pinned():
+    store = StateCheckpoints(first_slot=4, num_slots=2)  # slots after 4 groups
+    assert (store.assign(11, set()), store.assign(12, set())) == (4, 5)
+    store.touch(11)
+    assert store.assign(13, set()) == 5 and 12 not in store  # 12 was least recently used
+    assert store.assign(14, {4, 5}) == -1  # every slot is loaded or saved this step
+    assert store.discard(11) and not store.discard(11)
+    assert store.assign(14, {5}) == 4
+    assert list(store) == [(13, 5), (14, 4)]
+
+
+def test_a_request_with_state_hits_only_up_to_a_checkpoint():
+    bm = manager(num_blocks=8, groups=1, checkpoints=2)
+    tokens = list(range(40))
+    a = Sequence(tokens, 16, has_per_req_cache=True)
+    bm.allocate(a)
+    # One prompt row of 40 tokens: it saves the state after 32, the most a repeat can resume from.
+    assert bm.plan_state_checkpoints([a], [0], [40]) == ({}, {0: [(32, 1)]})
+    bm.deallocate(a)
+    b, plain = Sequence(tokens, 16, has_per_req_cache=True), Sequence(tokens + [7], 16)
+    assert bm.num_prefix_cached_tokens(b) == 32
+    assert bm.num_prefix_cached_tokens(plain) == 32  # KV alone serves a stateless request
+    assert [bm.can_resume_at(b, p) for p in (0, 16, 32, 48)] == [True, False, True, False]
+    with pytest.raises(RuntimeError, match="cannot start at position 16"):
+        bm.allocate(b, 8, start=16)
+    assert b.block_table == [] and b.per_req_cache_group == -1  # refused before anything changed
+    bm.allocate(b)
+    assert b.num_cached_tokens == 32 and b.num_computed_tokens == 40
+    assert bm.plan_state_checkpoints([b], [32], [8]) == ({0: 1}, {})
+    bm.deallocate(b)
+    # Recycling the block that ends at the checkpoint forgets the checkpoint with it.
+    hog = make_seq(16 * 8, start=100)
+    bm.allocate(hog)
+    assert len(bm.state_checkpoints) == 0 and list(bm.state_checkpoints.free_slots) == [2, 1]
+    assert bm.num_prefix_cached_tokens(Sequence(tokens, 16, has_per_req_cache=True)) == 0
+
+
+def test_a_request_with_state_takes_no_hit_without_checkpoints():
+    bm = manager(groups=1)
+    a = make_seq(40)
+    bm.allocate(a)
+    assert bm.state_checkpoints is None
+    assert bm.num_prefix_cached_tokens(Sequence(list(range(40)), 16, has_per_req_cache=True)) == 0

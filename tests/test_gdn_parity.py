@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
 from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
@@ -150,12 +149,6 @@ def test_reused_state_group_leaks_nothing(tiny, oracle):
     assert set(groups) == {0}  # one group, A's then B's
     assert first == oracle(a)
     assert second == alone == oracle(b)
-
-
-def test_prefix_caching_is_refused(tiny):
-    folder, _ = tiny
-    with pytest.raises(ValueError, match="prefix caching"):
-        LLMEngine(folder, dtype="float32", num_kvcache_blocks=16, max_model_len=128, enable_prefix_caching=True)
 
 
 def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():

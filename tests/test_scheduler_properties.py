@@ -4,6 +4,9 @@ Besides the pool's bookkeeping, a shadow KV cache plays the model: every schedul
 token is "written" to its slot (as the hash of the whole prefix that produced it),
 and every position a request attends to is read back. A block shared wrongly,
 freed while still in use, or hit with the wrong contents shows up as a bad read.
+Per-request state (GDN) is played the same way: each state group and state checkpoint
+holds the tokens its state has seen, so a request continuing from the wrong state, or
+loading a checkpoint of another prefix, shows up too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ configs = st.fixed_dictionaries(
         "max_num_seqs": st.integers(1, 6),
         "max_num_batched_tokens": st.integers(8, 200),
         "groups": st.integers(0, 3),
+        "checkpoints": st.integers(0, 3),
         "k": st.sampled_from([0, 0, 1, 2]),
         "max_model_len": st.one_of(st.none(), st.integers(20, 200)),
         "policy": st.sampled_from(["prefill_first", "mixed", "spyre"]),
@@ -89,12 +93,16 @@ class Harness:
                 max_num_seqs=cfg["max_num_seqs"],
                 max_num_batched_tokens=cfg["max_num_batched_tokens"],
                 num_per_req_cache_groups=cfg["groups"],
+                gdn_checkpoint_slots=cfg.get("checkpoints", 0),
                 max_model_len=cfg["max_model_len"],
                 eos_token_id=EOS,
                 speculative_config=spec,
             )
         )
         self.shadow: dict[tuple[int, int], int] = {}
+        # The tokens each state group / checkpoint slot has seen (None: unknown, after drafts).
+        self.states: dict[int, tuple[int, ...] | None] = {}
+        self.checkpoints: dict[int, tuple[int, ...]] = {}
         self.all: list[Sequence] = []
         self.steps = 0
 
@@ -167,6 +175,7 @@ class Harness:
             if seq.type.name == "PREFILL" and self.budget >= self.bs:  # chunks are floored to whole blocks
                 assert first % self.bs == 0 or first == batch.num_cached_tokens[row] or not self.chunked
         assert batch.scheduled_tokens == written
+        self.check_states(batch, seqs)
         assert sum(batch.num_scheduled_tokens) == batch.total_tokens_num
         for sid, (seq, stream, hashes) in streams.items():
             for p in range(len(stream)):
@@ -174,6 +183,43 @@ class Harness:
                     f"request {sid} reads a wrong KV entry at position {p}"
                 )
         assert all(b not in self.sched.block_manager.reserved_block_ids for s in seqs.values() for b in s.block_table)
+
+    def check_states(self, batch, seqs) -> None:
+        """Run the step on the shadow states: loads at its start, saves at its end."""
+        bm, bs = self.sched.block_manager, self.bs
+        loads, saves = batch.state_loads, batch.state_saves
+        store = bm.state_checkpoints
+        if store is None:
+            assert not loads and not saves
+            return
+        saved = [slot for points in saves.values() for _, slot in points]
+        assert len(saved) == len(set(saved)), "a checkpoint slot saved twice in one step"
+        assert not set(saved) & set(loads.values()), "a checkpoint slot loaded and saved in one step"
+        assert all(store.first_slot <= s < store.first_slot + store.num_slots for s in saved + list(loads.values()))
+        new = {}
+        groups = iter(batch.per_req_cache_groups)
+        for row, (sid, n, first) in enumerate(zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)):
+            seq = seqs[sid]
+            if not seq.has_per_req_cache:
+                assert row not in loads and row not in saves
+                continue
+            group = next(groups)
+            stream = tuple(seq.token_ids + batch.scheduled_spec_decode_tokens.get(sid, []))
+            end = first + n
+            if row in loads:
+                assert first > 0 and first % bs == 0 and first <= batch.num_cached_tokens[row]
+                assert self.checkpoints.get(loads[row]) == stream[:first], f"request {sid} loads a wrong checkpoint"
+            elif first > 0:
+                state = self.states.get(group)
+                assert state is None or state == stream[:first], f"request {sid} continues from a wrong state"
+            else:
+                assert batch.num_cached_tokens[row] == 0 or self.sched.config.scheduling_policy == "spyre"
+            for position, slot in saves.get(row, []):
+                assert first < position <= end and position % bs == 0 and position <= seq.num_tokens
+                new[slot] = stream[:position]
+            drafted = sid in batch.scheduled_spec_decode_tokens
+            self.states[group] = None if drafted else stream[:end]
+        self.checkpoints.update(new)
 
     def check_pool(self) -> None:
         sched, bm = self.sched, self.sched.block_manager
@@ -190,10 +236,11 @@ class Harness:
             assert bm.blocks[block_id].hash == h
         for seq in sched.running:
             assert seq.status == SequenceStatus.RUNNING
-            # KV exists for every computed token (plus reserved drafts); a prompt may be partway.
+            # KV exists for every computed token, plus the last step's drafts (rejected ones
+            # included) and the proposer's lookahead past them; a prompt may be partway.
             computed = seq.num_computed_tokens
             assert computed <= seq.num_tokens - 1 or seq.type.name == "PREFILL"
-            upper = max(computed + self.k, seq.num_cached_tokens)
+            upper = max(computed + 2 * self.k, seq.num_cached_tokens)
             assert -(-computed // self.bs) <= len(seq.block_table) <= -(-upper // self.bs)
             for i, block_id in enumerate(seq.block_table):
                 block = bm.blocks[block_id]
@@ -205,6 +252,17 @@ class Harness:
             assert seq.block_table == [] and seq.per_req_cache_group == -1 and seq.num_cached_tokens == 0
         groups = {s.per_req_cache_group for s in sched.running if s.has_per_req_cache}
         assert bm.per_req_cache_used_groups == groups
+        store = bm.state_checkpoints
+        if store is not None:
+            entries = list(store)
+            slots = [slot for _, slot in entries] + list(store.free_slots)
+            assert sorted(slots) == list(range(store.first_slot, store.first_slot + store.num_slots))
+            for h, slot in entries:
+                assert h in bm.hash_to_block_id, "a checkpoint outlived its KV block"
+                tokens, chain = self.checkpoints[slot], -1
+                for i in range(0, len(tokens), self.bs):
+                    chain = bm.compute_hash(list(tokens[i : i + self.bs]), chain)
+                assert chain == h, "a checkpoint holds the state of another prefix"
         assert len(bm.per_req_cache_free_groups) + len(groups) == bm.num_per_req_cache_groups
         assert len(sched.running) <= sched.max_num_seqs
         assert set(sched._queued) == {s.id for s in sched.waiting} | {s.id for s in sched.running}
@@ -270,3 +328,40 @@ def test_heavy_preemption_with_shared_prefixes():
         h.check_whole()
         assert {s.leave_reason for s in h.all} <= {"max_tokens", "abort"}
     assert preemptions > 50
+
+
+def test_state_checkpoints_under_shared_prefixes():
+    """Requests with per-request state sharing long prefixes, arriving while others run: they
+    resume from checkpoints often, under every policy, with preemption and eviction of slots."""
+    counts = Counter()
+    for seed in range(24):
+        rng = random.Random(seed)
+        policy = ["prefill_first", "mixed", "spyre"][seed % 3]
+        cfg = {
+            "block_size": 16, "num_blocks": 14 + seed % 3 * 6, "enable_prefix_caching": True, "max_num_seqs": 4,
+            "max_num_batched_tokens": [48, 256, 32][seed % 3], "groups": 3, "checkpoints": 1 + seed % 4, "k": 0,
+            "max_model_len": None, "policy": policy, "chunked": seed % 2 == 0, "threshold": 0,
+        }
+        h = Harness(cfg)
+        original = h.check_states
+
+        def counting(batch, seqs, _orig=original, _policy=policy):
+            counts[_policy, "loads"] += len(batch.state_loads)
+            counts[_policy, "saves"] += sum(map(len, batch.state_saves.values()))
+            _orig(batch, seqs)
+
+        h.check_states = counting
+        bases = [[rng.randint(1, 29) for _ in range(70)] for _ in range(2)]
+        for _ in range(40):
+            if rng.random() < 0.3:
+                prompt = rng.choice(bases)[: rng.randint(10, 70)] + [rng.randint(1, 29) for _ in range(rng.randint(0, 8))]
+                h.arrive(prompt, rng.randint(1, 20), True, rng.random() < 0.9)
+            else:
+                h.step(rng.getrandbits(32))
+            h.check_pool()
+        for _ in range(3000):
+            if not h.step(rng.getrandbits(32)):
+                break
+        h.check_whole()
+    for policy in ("prefill_first", "mixed", "spyre"):
+        assert counts[policy, "loads"] >= 10 and counts[policy, "saves"] > counts[policy, "loads"], counts

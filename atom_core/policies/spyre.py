@@ -18,7 +18,9 @@ seed document's words:
   A request's tkv is its left padding plus its computed tokens plus one.
 - Prefix caching: cached chunks are skipped, the chunk straddling the cache boundary
   is recomputed with its writes to cached blocks sent to the padding block, and the
-  last chunk is always recomputed.
+  last chunk is always recomputed. A request with per-request state resumes only
+  at a chunk start where a state checkpoint is, the latest one at or before the cache
+  boundary (from the beginning if there is none).
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class SpyrePolicy(SchedulingPolicy):
             if seq is None or step.num_running >= self.max_num_seqs:
                 return False  # first chunk: a free slot, no prefill in progress
             first = self.resume_point(seq, step.num_prefix_cached_tokens(seq))
+            while first and not step.can_resume_at(seq, first):
+                first = self.resume_point(seq, first - 1)  # the chunk before
         left = self.left_pad(seq)
         chunk_start = (left + first) // self.chunk_size * self.chunk_size
         end = min(chunk_start + self.chunk_size - left, seq.num_tokens)
