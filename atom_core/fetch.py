@@ -37,6 +37,13 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir = cache / "models" / DEFAULT_MODEL_NAME
     if _is_complete(out_dir):
+        from atom_core.loader import GGUF_BLOCKS_FILE
+
+        if not (out_dir / GGUF_BLOCKS_FILE).is_file():  # converted before Atom kept the quantized blocks
+            from atom_core.gguf_loader import write_gguf_blocks
+
+            _say(quiet, f"atom: adding the quantized weights of {DEFAULT_MODEL_NAME} to {out_dir} (one time)")
+            write_gguf_blocks(default_model_gguf(cache, quiet), out_dir)
         return out_dir
 
     gguf_file = default_model_gguf(cache, quiet)

@@ -2,9 +2,12 @@
 
 Atom's models read Hugging Face folders (config.json + model.safetensors + tokenizer), and
 small models are easiest to ship as GGUF. This module bridges the two with the `gguf`
-package: `gguf.quants.dequantize` for every tensor type it knows, gguf's own tensor name
-maps for names, and the inverse of llama.cpp's Q/K row permutation for llama-arch files,
-so the result equals what transformers itself loads from the same file.
+package: `gguf.quants.dequantize` for every tensor type it knows, gguf's own tensor kinds
+and names for the file's side, so the result equals what transformers itself loads from
+the same file. What is particular to one architecture (its config keys, its tensor names,
+the tensors llama.cpp permutes, stacks or splits) is not here: the model plugin that runs
+it registers a `GGUFArchitecture` (atom_core/gguf_arch.py) under the file's
+`general.architecture` name, through the `atom_register_gguf_architectures` hook.
 
 Not imported by `atom_core/__init__.py`: the core imports without torch.
 """
@@ -12,9 +15,11 @@ Not imported by `atom_core/__init__.py`: the core imports without torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,33 +31,28 @@ import transformers
 from gguf import GGMLQuantizationType, Keys, MODEL_TENSOR
 from safetensors.torch import save_file
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "gguf_to_hf_folder", "load_gguf"]
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, Joined
+from atom_core.layers.quant import QuantizedWeight, save_blocks
+from atom_core.loader import GGUF_BLOCKS_FILE
+
+__all__ = ["gguf_to_hf_folder", "load_gguf", "supported_architectures", "write_gguf_blocks"]
 
 
-@dataclass(frozen=True)
-class _Arch:
-    model_type: str  # transformers' model_type
-    hf_class: str  # transformers' class, written to config.json "architectures"
-    # llama.cpp's converter reorders Q/K rows of llama-arch models for its rope layout
-    # (LlamaModel.permute); qwen2/qwen3 are converted without it (Qwen2Model/Qwen3Model).
-    permuted_qk: bool
+def supported_architectures() -> list[str]:
+    """The GGUF architectures (`general.architecture` names) the installed plugins describe."""
+    from atom_core.plugins import get_registry
 
-
-_ARCHS: dict[str, _Arch] = {
-    "llama": _Arch("llama", "LlamaForCausalLM", permuted_qk=True),
-    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
-    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
+    return get_registry("gguf_architectures").names()
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a GGUF file as (HF config dict, HF state dict), dequantized to `dtype`.
 
     The config is what transformers writes to config.json for the architecture; the state
-    dict uses transformers' tensor names and layout, so `model.load_state_dict(state)`
-    works on a transformers model built from that config. Tied embeddings (no
-    `output.weight` in the file) give no `lm_head.weight`.
+    dict uses the tensor names and layout of checkpoints on the hub (one tensor per expert),
+    so `model.load_state_dict(state)` works on a transformers model of a dense architecture
+    built from that config. Tied embeddings (no `output.weight` in the file) give no
+    `lm_head.weight`.
     """
     reader = gguf.GGUFReader(path)
     return _load(reader, dtype)
@@ -64,8 +64,9 @@ def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathL
     Writes config.json, model.safetensors, generation_config.json and the tokenizer
     (tokenizer.json, tokenizer_config.json, chat_template.jinja). Weights are float32,
     except float16/bfloat16 when every matrix in the file is stored that way (then the
-    narrower type loses nothing). Everything is written into a hidden sibling folder that
-    is renamed to `out_dir` at the end, so a crash never leaves a half-written `out_dir`.
+    narrower type loses nothing); the quantized blocks go to `GGUF_BLOCKS_FILE` as well.
+    Everything is written into a hidden sibling folder that is renamed to `out_dir` at the
+    end, so a crash never leaves a half-written `out_dir`.
     Raises FileExistsError if `out_dir` already exists and is not empty.
     """
     gguf_path = Path(gguf_path)
@@ -86,6 +87,7 @@ def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathL
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # written 0600
         del state
+        _write_blocks(reader, gguf_path.name, tmp)  # what `quantization="auto"` loads
         _write_json(tmp / "generation_config.json", _generation_config(reader, config))
         _save_tokenizer(gguf_path, reader, config, tmp)
         try:
@@ -111,107 +113,130 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _architecture(reader: gguf.GGUFReader) -> tuple[str, _Arch]:
-    name = _field(reader, Keys.General.ARCHITECTURE)
-    if name not in _ARCHS:
-        raise ValueError(
-            f"GGUF architecture {name!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+def _architecture(file: GGUFFile) -> GGUFArchitecture:
+    """The registered description of the file's architecture (a ValueError naming the known ones if none)."""
+    from atom_core.plugins import get_registry
+    from atom_core.registry import RegistryError
+
+    try:
+        description = get_registry("gguf_architectures").get(file.architecture)
+    except RegistryError as exc:
+        raise ValueError(f"cannot read this GGUF file: {exc}") from None
+    if not isinstance(description, GGUFArchitecture):
+        raise TypeError(
+            f"GGUF architecture {file.architecture!r} is registered as {description!r}, "
+            "not an atom_core.gguf_arch.GGUFArchitecture"
         )
-    return name, _ARCHS[name]
+    return description.for_file(file)
 
 
-def _build_config(reader: gguf.GGUFReader, dtype: torch.dtype) -> dict:
-    """The HF config for the file's hyperparameters, as transformers would write it."""
-    name, arch = _architecture(reader)
-
-    def key(template: str, default: Any = None, required: bool = False) -> Any:
-        value = _field(reader, template.format(arch=name), default)
-        if required and value is None:
-            raise ValueError(f"GGUF file lacks {template.format(arch=name)!r}")
-        if isinstance(value, list):
-            raise ValueError(f"per-layer {template.format(arch=name)!r} is not supported")
-        return value
-
-    tensor_names = {t.name for t in reader.tensors}
-    if gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight" in tensor_names:
+def _common_config(file: GGUFFile) -> dict:
+    """What every decoder's HF config reads alike; the architecture's description does the rest."""
+    name = file.architecture
+    if file.has(MODEL_TENSOR.ROPE_FREQS):
         # llama3-style rope scaling: GGUF keeps only the resulting per-dimension factors, not
         # the rope_scaling parameters an HF config needs.
         raise ValueError(f"{name!r} GGUF with rope_freqs (llama3-style rope scaling) is not supported")
 
-    hidden = int(key(Keys.LLM.EMBEDDING_LENGTH, required=True))
-    heads = int(key(Keys.Attention.HEAD_COUNT, required=True))
-    kv_heads = int(key(Keys.Attention.HEAD_COUNT_KV, heads))
-    head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // heads))
-    if int(key(Keys.Attention.VALUE_LENGTH, head_dim)) != head_dim:
-        raise ValueError(f"{name!r} GGUF with key_length != value_length is not supported")
-    if int(key(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
-        raise ValueError(f"{name!r} GGUF with partial rotary embeddings is not supported")
-    vocab = key(Keys.LLM.VOCAB_SIZE)
+    vocab = file.get(Keys.LLM.VOCAB_SIZE)
     if vocab is None:
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        vocab = int(embd.shape[-1])  # GGUF shapes are innermost-first: [hidden, vocab]
-    theta = _f32(key(Keys.Rope.FREQ_BASE, 10000.0))
-
+        embd = gguf.TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+        # GGUF shapes are innermost-first: [hidden, vocab]
+        vocab = int(next(t for t in file.reader.tensors if t.name == embd).shape[-1])
+    theta = _f32(file.get(Keys.Rope.FREQ_BASE, 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    scaling = key(Keys.Rope.SCALING_TYPE)
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise ValueError(f"{name!r} GGUF with rope scaling {scaling!r} is not supported")
-        rope = {"rope_type": "linear", "rope_theta": theta, "factor": _f32(key(Keys.Rope.SCALING_FACTOR, 1.0))}
+    scaling = file.get(Keys.Rope.SCALING_TYPE)
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": theta, "factor": _f32(file.get(Keys.Rope.SCALING_FACTOR, 1.0))}
+    elif scaling == "yarn":  # what the keys say; a description refuses it or adds its family's parameters
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": _f32(file.get(Keys.Rope.SCALING_FACTOR, required=True)),
+            "original_max_position_embeddings": int(file.get(Keys.Rope.SCALING_ORIG_CTX_LEN, required=True)),
+        }
+        betas = {Keys.Rope.SCALING_YARN_BETA_FAST: "beta_fast", Keys.Rope.SCALING_YARN_BETA_SLOW: "beta_slow"}
+        rope |= {hf_key: _f32(file.get(key)) for key, hf_key in betas.items() if file.get(key) is not None}
+        for key in (Keys.Rope.SCALING_YARN_EXT_FACTOR, Keys.Rope.SCALING_YARN_ATTN_FACTOR):
+            if file.get(key) is not None:  # llama.cpp's meaning differs from transformers' attention_factor
+                raise ValueError(f"{name!r} GGUF with {key.format(arch=name)!r} is not supported")
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{name!r} GGUF with rope scaling {scaling!r} is not supported")
 
-    def token_id(k: str) -> int | None:
-        value = _field(reader, k)
+    def token_id(key: str) -> int | None:
+        value = file.get(key)
         return None if value is None else int(value)
 
     config: dict[str, Any] = {
-        "architectures": [arch.hf_class],
-        "model_type": arch.model_type,
         "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(key(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
-        "num_hidden_layers": int(key(Keys.LLM.BLOCK_COUNT, required=True)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
+        "hidden_size": int(file.get(Keys.LLM.EMBEDDING_LENGTH, required=True)),
+        "num_hidden_layers": file.block_count,
+        "num_attention_heads": int(file.get(Keys.Attention.HEAD_COUNT, required=True)),
         "hidden_act": "silu",
-        "max_position_embeddings": int(key(Keys.LLM.CONTEXT_LENGTH, 2048)),
-        "rms_norm_eps": _f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+        "max_position_embeddings": int(file.get(Keys.LLM.CONTEXT_LENGTH, 2048)),
+        "rms_norm_eps": _f32(file.get(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
         "rope_theta": theta,
         "rope_parameters": rope,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": not file.has(MODEL_TENSOR.OUTPUT),
         "bos_token_id": token_id(Keys.Tokenizer.BOS_ID),
         "eos_token_id": token_id(Keys.Tokenizer.EOS_ID),
         "pad_token_id": token_id(Keys.Tokenizer.PAD_ID),
         "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch.model_type == "qwen3":
-        config.update(use_sliding_window=False, sliding_window=None)
+    if (ffn := file.get(Keys.LLM.FEED_FORWARD_LENGTH)) is not None:
+        config["intermediate_size"] = int(ffn)
     return config
 
 
-def _hf_names(gguf_arch_name: str, config: dict) -> dict[str, tuple[str, MODEL_TENSOR]]:
-    """GGUF tensor name -> (HF tensor name, tensor kind), from gguf's own name map.
+def _describe(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[GGUFArchitecture, dict, dict[str, _Target]]:
+    """The file's architecture description, its HF config and where each of its tensors goes."""
+    file = GGUFFile(reader)
+    arch = _architecture(file)
+    config = arch.config(file, _common_config(file))
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return arch, config, _plan(file, arch, config)
 
-    gguf's TensorNameMap knows many HF spellings per GGUF tensor; the HF model class on the
-    meta device (no memory) says which ones this architecture really uses.
-    """
-    hf_config = transformers.AutoConfig.for_model(**config)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    gguf_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch_name)
-    name_map = gguf.get_tensor_name_map(gguf_arch, config["num_hidden_layers"])
-    names: dict[str, tuple[str, MODEL_TENSOR]] = {}
-    for hf_name in model.state_dict():
-        module, _, suffix = hf_name.rpartition(".")
-        found = name_map.get_type_and_name(module)
-        if found is None:
-            raise ValueError(f"gguf's name map has no GGUF name for {hf_name!r}")
-        kind, gguf_name = found
-        names[f"{gguf_name}.{suffix}"] = (hf_name, kind)
-    return names
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one GGUF tensor goes: an HF name (with `{xid}` if it stacks experts), the head
+    count of llama.cpp's rope permutation to undo, or the `Joined` tensor it is part of."""
+
+    hf_name: str
+    kind: MODEL_TENSOR
+    heads: int | None = None
+    joined: Joined | None = None
+
+
+def _plan(file: GGUFFile, arch: GGUFArchitecture, config: dict) -> dict[str, _Target]:
+    """GGUF tensor name -> `_Target`, for the tensors the description names (others are unknown)."""
+    joined = {kind: (name, j) for name, j in arch.joined.items() for kind in j.parts}
+    if both := set(joined) & set(arch.tensors):
+        both_names = sorted(k.name for k in both)
+        raise ValueError(f"GGUF architecture {file.architecture!r}: {both_names} are both named and joined")
+    kinds: dict[str, tuple[MODEL_TENSOR, int | None]] = {}  # GGUF name without suffix -> (kind, layer)
+    for kind in [*arch.tensors, *joined]:
+        template = gguf.TENSOR_NAMES[kind]
+        for bid in range(file.block_count) if "{bid}" in template else [None]:
+            kinds[template.format(bid=bid)] = (kind, bid)
+
+    plan: dict[str, _Target] = {}
+    for name in file.tensor_names:
+        base, _, suffix = name.rpartition(".")
+        if base not in kinds:
+            continue
+        kind, bid = kinds[base]
+        if kind in joined:
+            if suffix == "weight":
+                plan[name] = _Target(joined[kind][0].format(bid=bid), kind, joined=joined[kind][1])
+            continue
+        entry = arch.tensors[kind]
+        template = entry.get(suffix) if isinstance(entry, Mapping) else f"{entry}.{suffix}"
+        if template is None:
+            continue
+        heads = int(config[arch.permuted_rows[kind]]) if kind in arch.permuted_rows else None
+        plan[name] = _Target(template.format(bid=bid, xid="{xid}"), kind, heads)
+    return plan
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
@@ -249,33 +274,147 @@ def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
-    name, arch = _architecture(reader)
-    config = _build_config(reader, dtype)
-    names = _hf_names(name, config)
+def _per_expert(hf_name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for a plain tensor; one per expert for a stack (a name with `{xid}`)."""
+    if "{xid}" not in hf_name:
+        yield hf_name, stacked
+        return
+    for xid in range(stacked.shape[0]):
+        yield hf_name.format(xid=xid), stacked[xid].clone()  # its own storage, for safetensors
 
-    state: dict[str, torch.Tensor] = {}
-    unknown: list[str] = []
-    for tensor in reader.tensors:
-        if tensor.name not in names:
-            unknown.append(tensor.name)
-            continue
-        hf_name, kind = names[tensor.name]
-        weight = torch.from_numpy(_dequantize(tensor))
-        if arch.permuted_qk and kind == MODEL_TENSOR.ATTN_Q:
-            weight = _unpermute(weight, config["num_attention_heads"])
-        elif arch.permuted_qk and kind == MODEL_TENSOR.ATTN_K:
-            weight = _unpermute(weight, config["num_key_value_heads"])
-        state[hf_name] = weight.to(dtype).contiguous()
-    if unknown:
+
+def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    arch, config, plan = _describe(reader, dtype)
+    if unknown := [t.name for t in reader.tensors if t.name not in plan]:
         raise ValueError(f"GGUF tensors with no {config['architectures'][0]} counterpart: {unknown[:8]}")
 
-    expected = {hf for hf, _ in names.values()}
-    if config["tie_word_embeddings"]:
-        expected.discard("lm_head.weight")
-    if missing := sorted(expected - state.keys()):
-        raise ValueError(f"GGUF file lacks tensors for: {missing[:8]}")
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[MODEL_TENSOR, torch.Tensor]] = {}  # joined tensors still waiting for a part
+
+    def put(hf_name: str, weight: torch.Tensor) -> None:
+        if hf_name in state:
+            raise ValueError(f"two GGUF tensors map to {hf_name!r}")
+        state[hf_name] = weight.to(dtype).contiguous()
+
+    for tensor in reader.tensors:
+        target = plan[tensor.name]
+        weight = torch.from_numpy(_dequantize(tensor))
+        if target.joined is not None:
+            got = parts.setdefault(target.hf_name, {})
+            got[target.kind] = weight
+            if len(got) == len(target.joined.parts):
+                put(target.hf_name, target.joined.join(config, *(got[k] for k in target.joined.parts)))
+                del parts[target.hf_name]
+            continue
+        if target.heads is not None:
+            weight = _unpermute(weight, target.heads)
+        for hf_name, w in _per_expert(target.hf_name, weight):
+            put(hf_name, w)
+    if parts:
+        raise ValueError(f"GGUF file lacks parts of {sorted(parts)[:8]}")
+    _check_complete(config, state)
     return config, state
+
+
+def _check_complete(config: dict, state: dict[str, torch.Tensor]) -> None:
+    """The weights fill transformers' model of this config (counted on the meta device, so a
+    missing tensor or a misread config shows here, not when a model loads the folder)."""
+    if config["model_type"] not in transformers.CONFIG_MAPPING:
+        return  # an architecture transformers does not know: its plugin's model checks at load
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    saved = model.state_dict()
+    expected = sum(p.numel() for p in model.parameters())  # a tied head once
+    expected += sum(b.numel() for n, b in model.named_buffers() if n in saved)
+    found = sum(t.numel() for t in state.values())
+    if found != expected:
+        raise ValueError(
+            f"the GGUF file holds {found:,} weights where {config['architectures'][0]} with the config read "
+            f"from it has {expected:,}: tensors are missing, or the file's metadata was misread"
+        )
+
+
+# Block layouts (ggml-common.h): an fp16 scale d (and min m for Q4_1), then the values.
+# Q4_0/Q4_1 keep element j of a block of 32 in the low nibble of byte j, element j + 16 in
+# its high nibble.
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+
+
+def _quantized_weight(tensor: Any) -> QuantizedWeight | None:
+    """The tensor's blocks as a `QuantizedWeight`, exactly, for Q4_0, Q4_1 and Q8_0; else None.
+
+    A stack of matrices (a layer's experts, [experts, rows, K]) comes as one [experts * rows, K]
+    weight, whose row blocks are the experts."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype not in _BLOCK_BYTES or len(tensor.shape) < 2:
+        return None
+    k, n = int(tensor.shape[0]), math.prod(int(d) for d in tensor.shape[1:])  # innermost first
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // 32, _BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return QuantizedWeight(8, 32, torch.from_numpy(q), torch.from_numpy(d), None, qtype.name)
+    if qtype == GGMLQuantizationType.Q4_1:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros = m + 8 * d  # d * q + m == (q - 8) * d + (m + 8 * d), exact in float32
+        packed = blocks[..., 4:]
+    else:
+        zeros = np.zeros_like(d)  # d * (q - 8)
+        packed = blocks[..., 2:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)
+    return QuantizedWeight(4, 32, torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros), qtype.name)
+
+
+def write_gguf_blocks(gguf_path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
+    """Save the GGUF file's quantized blocks next to its converted weights (`GGUF_BLOCKS_FILE`).
+
+    Q4_0, Q4_1 and Q8_0 matrices are stored as `quant.save_blocks` lays them out, with
+    llama.cpp's Q/K row permutation undone as `load_gguf` does; every matrix's GGUF type is
+    recorded, so `quantization="auto"` knows which others to requantize. Written to a
+    temporary name and renamed, so a reader never sees half a file.
+    """
+    return _write_blocks(gguf.GGUFReader(gguf_path), Path(gguf_path).name, Path(folder))
+
+
+def _write_blocks(reader: gguf.GGUFReader, source: str, folder: Path) -> Path:
+    _, config, plan = _describe(reader, torch.float32)
+    weights: dict[str, tuple[str, QuantizedWeight | None]] = {}
+    for tensor in reader.tensors:
+        target = plan.get(tensor.name)
+        if target is None or len(tensor.shape) < 2:
+            continue
+        gguf_type = GGMLQuantizationType(tensor.tensor_type).name
+        if target.joined is not None:  # rebuilt from float parts: its type only, the first part's
+            weights.setdefault(target.hf_name, (gguf_type, None))
+            continue
+        qw = _quantized_weight(tensor)
+        if qw is not None and target.heads is not None:
+            qw = qw.map_rows(lambda t, h=target.heads: _unpermute(t, h).contiguous())
+        for hf_name, part in _expert_blocks(target.hf_name, qw, int(tensor.shape[-1]) if len(tensor.shape) > 2 else 1):
+            weights[hf_name] = (gguf_type, part)
+    target = folder / GGUF_BLOCKS_FILE
+    tmp = folder / f".{GGUF_BLOCKS_FILE}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        save_blocks(weights, tmp, source=source)
+        os.chmod(tmp, (folder / "config.json").stat().st_mode & 0o777)  # written 0600, like the weights
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _expert_blocks(
+    hf_name: str, qw: QuantizedWeight | None, experts: int
+) -> Iterator[tuple[str, QuantizedWeight | None]]:
+    """`_per_expert` for blocks: a stack's row blocks, one per expert."""
+    if "{xid}" not in hf_name:
+        yield hf_name, qw
+        return
+    rows = qw.shape[0] // experts if qw is not None else 0
+    for xid in range(experts):
+        part = None if qw is None else qw.map_rows(lambda t, a=xid * rows: t[a : a + rows].contiguous())
+        yield hf_name.format(xid=xid), part
 
 
 def _storage_dtype(reader: gguf.GGUFReader) -> torch.dtype:
@@ -313,7 +452,14 @@ def _generation_config(reader: gguf.GGUFReader, config: dict) -> dict:
 
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, config: dict, out_dir: Path) -> None:
     """transformers' own GGUF tokenizer conversion, with the chat template checked on disk."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError:
+        # transformers reads the tokenizer of any GGUF file, but picks its class from a config it
+        # rebuilds only for the architectures it knows (not deepseek2): the generic class then.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name
+        )
     tokenizer.model_max_length = config["max_position_embeddings"]
     template = _field(reader, Keys.Tokenizer.CHAT_TEMPLATE)
     if template is not None and not tokenizer.chat_template:

@@ -37,3 +37,12 @@ def atom_register_proposers(registry):
 def atom_register_scheduler_policies(registry):
     """Register scheduling policies (`atom_core.policy.SchedulingPolicy` subclasses) by name,
     picked with `Config.scheduling_policy` ("prefill_first", "mixed", "spyre", ...)."""
+
+
+@hookspec
+def atom_register_gguf_architectures(registry):
+    """Register how a GGUF file of one architecture becomes a Hugging Face checkpoint, by the
+    file's `general.architecture` name ("llama", "qwen3", "deepseek2", ...): an instance of
+    `atom_core.gguf_arch.GGUFArchitecture` (its config keys, tensor names, permuted and fused
+    tensors), e.g. `registry.register("llama", "my_pkg.llama:GGUF_LLAMA")`. The model plugin
+    that runs the architecture is the one that knows how llama.cpp wrote it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,10 @@ from torch import nn
 
 # What `map_checkpoint_name` returns for a tensor the model leaves unread.
 SKIP = ("", "skip")
+
+# A GGUF file's quantized blocks, kept beside a converted folder's float weights for
+# `quantization="auto"` (atom_core/layers/quant.py); not a checkpoint shard.
+GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # Buffers some checkpoints carry that models recompute.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,7 +37,7 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(p for p in folder.glob("*.safetensors") if p.name != GGUF_BLOCKS_FILE)
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors weights in {folder}; Atom loads safetensors checkpoints "
@@ -53,10 +58,10 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
             for name in f.keys():
                 if name.endswith(skipped):
                     continue
-                mapped = mapper(name) if mapper is not None else None
-                if mapped == SKIP:
+                found = _target(name, mapping, mapper)
+                if found is None:
                     continue
-                target, shard = mapped if mapped is not None else packed_target(name, mapping)
+                target, shard = found
                 param = params.get(target)
                 if param is None:
                     raise ValueError(
@@ -83,6 +88,21 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
             missing.append(name if owner is None else f"{name} (shards {sorted(expected - shards)})")
     if missing:
         raise ValueError(f"the checkpoint in {folder} lacks tensors for: {', '.join(missing)}")
+
+
+def _target(
+    name: str, mapping: dict[str, tuple[str, str]], mapper: Callable[[str], tuple[str, object] | None] | None
+) -> tuple[str, object] | None:
+    mapped = mapper(name) if mapper is not None else None
+    if mapped == SKIP:
+        return None
+    return mapped if mapped is not None else packed_target(name, mapping)
+
+
+def checkpoint_target(model: nn.Module, name: str) -> tuple[str, object] | None:
+    """(parameter name, shard) a checkpoint tensor loads into, as `load_model_weights` maps it;
+    None for a tensor the model skips. For loaders of other formats (GGUF's quantized blocks)."""
+    return _target(name, getattr(model, "packed_modules_mapping", {}), getattr(model, "map_checkpoint_name", None))
 
 
 def packed_target(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

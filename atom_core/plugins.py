@@ -24,6 +24,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "samplers": ("atom_register_samplers", "sampler"),
     "proposers": ("atom_register_proposers", "proposer"),
     "scheduler_policies": ("atom_register_scheduler_policies", "scheduling policy"),
+    "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None
@@ -68,7 +69,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
 
 
 def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
-    """A fresh registry of `kind` ("models", "attention_builders", "samplers", "proposers").
+    """A fresh registry of `kind` (a key of `REGISTRY_HOOKS`: "models", "attention_builders", ...).
 
     Built on each call from whatever plugins are registered now; cheap, because
     plugins register "module:Class" strings and nothing is imported until `get`.

@@ -13,10 +13,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, Joined
 from atom_core.layers import (
     Linear,
     MergedLinear,
@@ -28,7 +32,7 @@ from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
 from atom_core.loader import SKIP, packed_target
-from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from atom_models.llama import LLAMA_GGUF_TENSORS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 def softmax_scale(cfg: Any) -> float:
@@ -269,3 +273,103 @@ class DeepseekV3Model(DeepseekV2Model):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     model_cls = DeepseekV3Model
+
+
+# --- GGUF (atom_core/gguf_arch.py): llama.cpp's "deepseek2", for V2 and V3 alike ----------------
+
+DEEPSEEK_GGUF_TENSORS = {k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in (T.ATTN_K, T.ATTN_V)} | {
+    T.ATTN_Q_A: "model.layers.{bid}.self_attn.q_a_proj",
+    T.ATTN_Q_A_NORM: "model.layers.{bid}.self_attn.q_a_layernorm",
+    T.ATTN_Q_B: "model.layers.{bid}.self_attn.q_b_proj",
+    T.ATTN_KV_A_MQA: "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
+    T.ATTN_KV_A_NORM: "model.layers.{bid}.self_attn.kv_a_layernorm",
+    T.ATTN_KV_B: "model.layers.{bid}.self_attn.kv_b_proj",  # files from before the k_b / v_b split
+    T.FFN_GATE_INP: "model.layers.{bid}.mlp.gate",
+    T.FFN_EXP_PROBS_B: {"bias": "model.layers.{bid}.mlp.gate.e_score_correction_bias"},
+    T.FFN_GATE_EXP: "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
+    T.FFN_UP_EXP: "model.layers.{bid}.mlp.experts.{xid}.up_proj",
+    T.FFN_DOWN_EXP: "model.layers.{bid}.mlp.experts.{xid}.down_proj",
+    T.FFN_GATE_SHEXP: "model.layers.{bid}.mlp.shared_experts.gate_proj",
+    T.FFN_UP_SHEXP: "model.layers.{bid}.mlp.shared_experts.up_proj",
+    T.FFN_DOWN_SHEXP: "model.layers.{bid}.mlp.shared_experts.down_proj",
+}
+
+
+def _join_kv_b(config: dict, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj back from llama.cpp's split: k_b [heads, kv_lora_rank, nope] (transposed for
+    absorbed attention), v_b [heads, v_head_dim, kv_lora_rank]; per head, the nope rows then the v rows."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, config["kv_lora_rank"]).contiguous()
+
+
+def _gguf_config(file: GGUFFile, config: dict) -> dict:
+    arch, n = file.architecture, file.block_count
+    kv_lora_rank = int(file.get(Keys.Attention.KV_LORA_RANK, required=True))
+    rope_dim = int(file.get(Keys.Rope.DIMENSION_COUNT, required=True))
+    # Files since the k_b / v_b split give the attention's lengths as MQA over the latent and
+    # the per-head ones under *_mla; older files give the per-head ones only.
+    qk_head_dim = int(file.get(Keys.Attention.KEY_LENGTH_MLA) or file.get(Keys.Attention.KEY_LENGTH, required=True))
+    v_head_dim = int(file.get(Keys.Attention.VALUE_LENGTH_MLA) or file.get(Keys.Attention.VALUE_LENGTH, required=True))
+    dense = int(file.get(Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0))
+    moe = file.layers_with(T.FFN_GATE_INP)
+    if moe and moe != list(range(dense, n)):
+        raise ValueError(f"{arch!r} GGUF: experts in layers {moe}, expected every layer from {dense} on")
+
+    # V3 routes by sigmoid scores with a selection bias (exp_probs_b); V2 by softmax. Files
+    # without expert_gating_func (converted from transformers' configs, which lack
+    # scoring_func) say it by the bias alone.
+    gating = file.get(Keys.LLM.EXPERT_GATING_FUNC)
+    biased = bool(file.layers_with(T.FFN_EXP_PROBS_B, "bias"))
+    sigmoid, softmax = gguf.ExpertGatingFuncType.SIGMOID, gguf.ExpertGatingFuncType.SOFTMAX
+    v3 = gating == sigmoid or (gating is None and biased)
+    if gating not in (None, sigmoid, softmax) or v3 != biased:
+        bias = "with" if biased else "without"
+        raise ValueError(f"{arch!r} GGUF: expert gating {gating} {bias} exp_probs_b is not supported")
+
+    groups = file.get(Keys.LLM.EXPERT_GROUP_COUNT)
+    q_lora_rank = file.get(Keys.Attention.Q_LORA_RANK)
+    rope = dict(config["rope_parameters"])
+    if rope["rope_type"] == "yarn":
+        # llama.cpp keeps 0.1 * mscale_all_dim and scales attention by it alone, as
+        # transformers does when mscale == mscale_all_dim.
+        log_mul = file.get(Keys.Rope.SCALING_YARN_LOG_MUL)
+        if log_mul is not None:
+            rope["mscale"] = rope["mscale_all_dim"] = float(str(np.float32(float(log_mul) / 0.1)))
+    config = config | {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "rope_parameters": rope,
+        "num_key_value_heads": config["num_attention_heads"],  # the file's 1: MLA run as MQA over the latent
+        "kv_lora_rank": kv_lora_rank,
+        "q_lora_rank": None if q_lora_rank is None else int(q_lora_rank),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
+        "v_head_dim": v_head_dim,
+        "head_dim": rope_dim,
+        "attention_bias": False,
+        "intermediate_size": int(file.get(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
+        "first_k_dense_replace": dense,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,  # llama.cpp leaves the MTP layer out
+    }
+    if not moe:
+        return config | {"n_routed_experts": None}
+    config |= {
+        "n_routed_experts": int(file.get(Keys.LLM.EXPERT_COUNT, required=True)),
+        "num_experts_per_tok": int(file.get(Keys.LLM.EXPERT_USED_COUNT, required=True)),
+        "moe_intermediate_size": int(file.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)),
+        "n_shared_experts": int(file.get(Keys.LLM.EXPERT_SHARED_COUNT, 0)) or None,
+        "routed_scaling_factor": float(str(np.float32(file.get(Keys.LLM.EXPERT_WEIGHTS_SCALE, 1.0)))),
+        "norm_topk_prob": bool(file.get(Keys.LLM.EXPERT_WEIGHTS_NORM, False)),
+        "n_group": None if groups is None else int(groups),
+        "topk_group": None if groups is None else int(file.get(Keys.LLM.EXPERT_GROUP_USED_COUNT, groups)),
+    }
+    if not v3:
+        config["topk_method"] = "group_limited_greedy" if (groups or 1) > 1 else "greedy"
+    return config
+
+
+GGUF_DEEPSEEK2 = GGUFArchitecture(
+    _gguf_config,
+    DEEPSEEK_GGUF_TENSORS,
+    joined={"model.layers.{bid}.self_attn.kv_b_proj.weight": Joined((T.ATTN_K_B, T.ATTN_V_B), _join_kv_b)},
+)

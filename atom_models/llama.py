@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
 from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope, silu_and_mul
 
 
@@ -134,3 +136,60 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+# --- GGUF: how llama.cpp's converter writes this family (atom_core/gguf_arch.py) ---------------
+
+# GGUF tensor kind -> the hub checkpoint's name (".weight"/".bias" follow as in the file).
+LLAMA_GGUF_TENSORS = {
+    T.TOKEN_EMBD: "model.embed_tokens",
+    T.OUTPUT_NORM: "model.norm",
+    T.OUTPUT: "lm_head",
+    T.ATTN_NORM: "model.layers.{bid}.input_layernorm",
+    T.ATTN_Q: "model.layers.{bid}.self_attn.q_proj",
+    T.ATTN_K: "model.layers.{bid}.self_attn.k_proj",
+    T.ATTN_V: "model.layers.{bid}.self_attn.v_proj",
+    T.ATTN_OUT: "model.layers.{bid}.self_attn.o_proj",
+    T.FFN_NORM: "model.layers.{bid}.post_attention_layernorm",
+    T.FFN_GATE: "model.layers.{bid}.mlp.gate_proj",
+    T.FFN_UP: "model.layers.{bid}.mlp.up_proj",
+    T.FFN_DOWN: "model.layers.{bid}.mlp.down_proj",
+}
+# llama.cpp reorders Q/K rows of llama-arch files for its rope layout (LlamaModel.permute);
+# Qwen files are written without it.
+LLAMA_GGUF_PERMUTED = {T.ATTN_Q: "num_attention_heads", T.ATTN_K: "num_key_value_heads"}
+
+
+def gguf_attention_config(file: GGUFFile, config: dict) -> dict:
+    """`config` plus the grouped-query attention of a Llama-shaped GGUF (heads, head_dim, biases)."""
+    arch, heads = file.architecture, config["num_attention_heads"]
+    if (rope := config["rope_parameters"]["rope_type"]) not in ("default", "linear"):
+        raise ValueError(f"{arch!r} GGUF with rope scaling {rope!r} is not supported")
+    head_dim = int(file.get(Keys.Attention.KEY_LENGTH, config["hidden_size"] // heads))
+    if int(file.get(Keys.Attention.VALUE_LENGTH, head_dim)) != head_dim:
+        raise ValueError(f"{arch!r} GGUF with key_length != value_length is not supported")
+    if int(file.get(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
+        raise ValueError(f"{arch!r} GGUF with partial rotary embeddings is not supported")
+    return config | {
+        "num_key_value_heads": int(file.get(Keys.Attention.HEAD_COUNT_KV, heads)),
+        "head_dim": head_dim,
+        "attention_bias": file.has(T.ATTN_Q, 0, "bias"),
+        "mlp_bias": file.has(T.FFN_UP, 0, "bias"),
+        "intermediate_size": int(file.get(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
+    }
+
+
+def _gguf_llama_config(file: GGUFFile, config: dict) -> dict:
+    return gguf_attention_config(file, config) | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+
+
+def _gguf_mixtral(file: GGUFFile) -> GGUFArchitecture | None:
+    """llama.cpp writes Mixtral as "llama" with experts: Mixtral's description reads those."""
+    if not file.get(Keys.LLM.EXPERT_COUNT, 0):
+        return None
+    from atom_models.mixtral import GGUF_MIXTRAL
+
+    return GGUF_MIXTRAL
+
+
+GGUF_LLAMA = GGUFArchitecture(_gguf_llama_config, LLAMA_GGUF_TENSORS, LLAMA_GGUF_PERMUTED, select=_gguf_mixtral)

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
 from atom_core.layers import FusedMoE
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
-from atom_models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from atom_models.llama import (
+    LLAMA_GGUF_PERMUTED,
+    LLAMA_GGUF_TENSORS,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    gguf_attention_config,
+)
 from atom_models.sparse_moe import SparseMoeBlock
 
 
@@ -47,3 +56,26 @@ class MixtralForCausalLM(LlamaForCausalLM):
             return None
         name = name.replace(".block_sparse_moe.", ".mlp.")
         return self._experts(name) or (name, None)
+
+
+# --- GGUF (atom_core/gguf_arch.py): written as "llama" with experts (GGUF_LLAMA picks this) ----
+
+MIXTRAL_GGUF_TENSORS = LLAMA_GGUF_TENSORS | {
+    T.FFN_GATE_INP: "model.layers.{bid}.block_sparse_moe.gate",
+    T.FFN_GATE_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
+    T.FFN_UP_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
+    T.FFN_DOWN_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w2",
+}
+
+
+def _gguf_config(file: GGUFFile, config: dict) -> dict:
+    return gguf_attention_config(file, config) | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(file.get(Keys.LLM.EXPERT_COUNT, required=True)),
+        "num_experts_per_tok": int(file.get(Keys.LLM.EXPERT_USED_COUNT, required=True)),
+        "sliding_window": None,  # llama-arch files carry none
+    }
+
+
+GGUF_MIXTRAL = GGUFArchitecture(_gguf_config, MIXTRAL_GGUF_TENSORS, LLAMA_GGUF_PERMUTED)

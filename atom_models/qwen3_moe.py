@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
 from atom_core.layers import FusedMoE
 from atom_models.llama import LlamaMLP
-from atom_models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from atom_models.qwen3 import QWEN3_GGUF_TENSORS, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model, qwen3_gguf_config
 from atom_models.sparse_moe import SparseMoeBlock
 
 
@@ -43,3 +45,31 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel
     # hub per-expert `mlp.experts.{e}.gate_proj|up_proj|down_proj` -> stacked experts
     map_checkpoint_name = FusedMoE.checkpoint_mapping()
+
+
+# --- GGUF (atom_core/gguf_arch.py): Qwen3 plus the router and the stacked experts -------------
+
+QWEN3_MOE_GGUF_TENSORS = QWEN3_GGUF_TENSORS | {
+    T.FFN_GATE_INP: "model.layers.{bid}.mlp.gate",
+    T.FFN_GATE_EXP: "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
+    T.FFN_UP_EXP: "model.layers.{bid}.mlp.experts.{xid}.up_proj",
+    T.FFN_DOWN_EXP: "model.layers.{bid}.mlp.experts.{xid}.down_proj",
+}
+
+
+def _gguf_config(file: GGUFFile, config: dict) -> dict:
+    sparse = file.layers_with(T.FFN_GATE_INP)
+    return qwen3_gguf_config(file, config) | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": int(file.get(Keys.LLM.EXPERT_COUNT, required=True)),
+        "num_experts_per_tok": int(file.get(Keys.LLM.EXPERT_USED_COUNT, required=True)),
+        "moe_intermediate_size": int(file.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, required=True)),
+        # llama.cpp's qwen3moe always renormalises the top-k weights; the file may say otherwise.
+        "norm_topk_prob": bool(file.get(Keys.LLM.EXPERT_WEIGHTS_NORM, True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [b for b in range(file.block_count) if b not in sparse],
+    }
+
+
+GGUF_QWEN3_MOE = GGUFArchitecture(_gguf_config, QWEN3_MOE_GGUF_TENSORS)

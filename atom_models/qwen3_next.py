@@ -76,6 +76,7 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
         )
         self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate.quantizable = False  # one output: nothing to gain
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)

@@ -13,6 +13,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate.quantizable = False  # routing is discrete: a small layer kept exact (as vLLM does)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,11 @@ def load_atom(folder: str, dtype: str, prompts: list[list[int]], output_len: int
     max_model_len = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings", 4096)
     needed = sum(blocks_for(len(p) + output_len + 1) for p in prompts)
     blocks = max(needed, blocks_for(max_model_len)) + 64  # Atom wants room for one max-length request
-    return LLMEngine(folder, dtype=dtype, kv_cache_block_size=BLOCK_SIZE, num_kvcache_blocks=blocks)
+    # quantization="none": the same float weights transformers runs (benchmarks/quantization.py
+    # measures the quantized formats).
+    return LLMEngine(
+        folder, dtype=dtype, kv_cache_block_size=BLOCK_SIZE, num_kvcache_blocks=blocks, quantization="none"
+    )
 
 
 def greedy(output_len: int) -> SamplingParams:

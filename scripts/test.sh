@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# llama.cpp's HF -> GGUF converter for tests/test_gguf_families.py, taken once from the
+# llama-cpp-python sdist on PyPI into ~/.cache/atom (or $ATOM_CACHE_DIR); stops here if it cannot.
+.venv/bin/python tests/gguf_convert.py >/dev/null
 exec .venv/bin/python -m pytest "$@"

@@ -17,6 +17,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from atom_core.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
 from atom_core.gguf_loader import gguf_to_hf_folder, load_gguf  # noqa: E402
+from atom_core.layers.quant import load_blocks  # noqa: E402
+from atom_core.loader import GGUF_BLOCKS_FILE  # noqa: E402
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -50,6 +52,13 @@ def test_smollm2_weights_and_config_equal_transformers_gguf_loading(smollm2):
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, ref_state[name]), name
     assert "lm_head.weight" not in state  # tied
+
+    # The quantized blocks beside them (what quantization="auto" loads) give the same weights.
+    source, blocks = load_blocks(folder / GGUF_BLOCKS_FILE)
+    assert source == gguf_file.name and sorted(blocks) == sorted(n for n, t in state.items() if t.dim() == 2)
+    assert sorted({t for t, _ in blocks.values()}) == ["Q4_1", "Q8_0"]
+    for name, (_, qw) in blocks.items():
+        assert torch.equal(qw.dequantize(), state[name]), name
 
     ref_config = ref.config
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -36,6 +36,10 @@ class InProcessPlugin:
     def atom_register_scheduler_policies(self, registry):
         registry.register("noop", Constant)
 
+    @hookimpl
+    def atom_register_gguf_architectures(self, registry):
+        registry.register("example", Constant)
+
 
 class Constant:
     pass
@@ -64,6 +68,7 @@ def test_in_process_plugin_adds_every_kind(plugin_manager, monkeypatch):
     assert get_registry("attention_builders").get("example").__name__ == "ExampleAttentionBuilder"
     assert get_registry("samplers").get("constant") is Constant
     assert get_registry("proposers").get("noop") is Constant
+    assert get_registry("gguf_architectures").get("example") is Constant
 
 
 def test_unregistering_removes_the_names(plugin_manager):

@@ -6,17 +6,20 @@ machines we measure is 1.2-1.4x slower than packed oneDNN on the model's layer s
 and 2x on the vocab-sized LM head; for bfloat16 the packed weight is 1.2x faster than
 `F.linear` at 64 rows and 1.7x at one row (figures in README). The packed copy replaces
 the plain weight (a tied LM head leaves the embedding's alone). Other devices keep
-`F.linear`. A kernel plugin replaces `pick_gemm`.
+`F.linear`. A kernel plugin replaces `pick_gemm`. A layer given a quantized weight
+(`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -49,11 +52,23 @@ def pick_gemm(weight: torch.Tensor) -> tuple[Gemm, torch.Tensor]:
 
 class Linear(nn.Linear):
     gemm: Gemm = staticmethod(F.linear)
-    packed_weight: torch.Tensor | None = None  # set when `gemm` takes a repacked copy
+    packed_weight: Any = None  # set when `gemm` takes a repacked copy (or a quantized kernel)
+    # Set by `quant.quantize_model` before kernels are picked: the weight runs quantized.
+    quant: QuantizedWeight | None = None
+    quant_exact_top: bool = False  # an LM head: logits near the top recomputed exactly (quant.ExactTopLogits)
+    # False keeps a layer in floating point whatever `Config.quantization` says (MoE routers).
+    quantizable: bool = True
 
     def process_weights_after_loading(self) -> None:
         if self.packed_weight is not None:
             return  # already done: the plain weight is gone
+        if self.quant is not None:
+            self.gemm, self.packed_weight = pick_quantized_gemm(
+                self.quant, self.weight.device, self.weight.dtype, exact_top=self.quant_exact_top
+            )
+            self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
+            self.weight = None
+            return
         self.gemm, weight = pick_gemm(self.weight)
         if weight is not self.weight:
             self.packed_weight = weight

@@ -1,0 +1,131 @@
+"""Perplexity of the default model under each weight format, through Atom's own quantized kernels.
+
+Atom has no prompt log-probabilities yet, so this runs transformers' LlamaForCausalLM on the
+converted SmolLM2 folder and swaps every nn.Linear for the kernel `atom_core.layers.quant`
+picks for the format (bfloat16 activations into each GEMM, as in Atom); the LM head goes
+through `ExactTopLogits` as in Atom. Perplexity of a text in windows of `--window` tokens
+(default: the GPL-3 text of /usr/share/common-licenses, else README.md), relative to the
+same model in bfloat16 and in float32 (the file dequantized).
+
+    .venv/bin/python benchmarks/quant_quality.py [--text FILE] [--window 512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from atom_core.fetch import fetch_default_model
+from atom_core.layers.quant import (
+    QuantizedWeight,
+    load_blocks,
+    pick_quantized_gemm,
+    quantize_int4,
+    quantize_int8,
+)
+from atom_core.loader import GGUF_BLOCKS_FILE
+
+DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).parent.parent / "README.md")
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, lm_head: bool):
+        super().__init__()
+        self.gemm, self.kernel = pick_quantized_gemm(qw, torch.device("cpu"), dtype, exact_top=lm_head)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.kernel, self.bias)
+
+
+def build(folder: Path, dtype: torch.dtype, fmt: str | None, head: str | None) -> nn.Module:
+    """The HF model with its Linears in `fmt` ("gguf", "int8", "int4-g32", "int4sym-g32", ...)
+    and its LM head in `head` (a format, "same" or None for float)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    blocks = load_blocks(folder / GGUF_BLOCKS_FILE)[1] if fmt == "gguf" else {}
+
+    def quantized(name: str, weight: torch.Tensor, kind: str) -> QuantizedWeight:
+        if kind == "gguf":
+            tied = name == "lm_head" and model.config.tie_word_embeddings
+            return blocks["model.embed_tokens.weight" if tied else f"{name}.weight"][1]
+        base, _, group = kind.partition("-g")
+        if base == "int8":
+            return quantize_int8(weight, int(group) if group else None)
+        return quantize_int4(weight, int(group), symmetric=base == "int4sym")
+
+    if fmt is not None:
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            is_head = name == "lm_head"
+            kind = (fmt if head == "same" else head) if is_head else fmt
+            if kind is None:
+                continue
+            qw = quantized(name, module.weight.detach(), kind)
+            model.set_submodule(name, QuantizedLinear(qw, module.bias, dtype, is_head))
+    return model.to(dtype)
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, ids: torch.Tensor, window: int) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start : start + window + 1].unsqueeze(0)
+        if chunk.shape[1] < 2:
+            break
+        logits = model(chunk[:, :-1]).logits.float()
+        nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+        count += chunk.shape[1] - 1
+    return math.exp(nll / count)
+
+
+VARIANTS = [  # name, dtype between GEMMs, format of the layers, format of the LM head
+    ("float32 (the file dequantized)", torch.float32, None, None),
+    ("bfloat16", torch.bfloat16, None, None),
+    ("auto: Q4_1 blocks, Q8_0 head (float32 between)", torch.float32, "gguf", "same"),
+    ("auto, bfloat16 between", torch.bfloat16, "gguf", "same"),
+    ("auto, Q8_0 head requantized per channel", torch.float32, "gguf", "int8"),
+    ("int4 g32 + int8 g32 head", torch.float32, "int4-g32", "int8-g32"),
+    ("int4 g32 + int8 per-channel head", torch.float32, "int4-g32", "int8"),
+    ("int4 g32 + int4 head", torch.float32, "int4-g32", "same"),
+    ("int4 g64 + int8 g32 head", torch.float32, "int4-g64", "int8-g32"),
+    ("int4 symmetric g32 + int8 g32 head", torch.float32, "int4sym-g32", "int8-g32"),
+    ("int8 g32", torch.float32, "int8-g32", "same"),
+    ("int8 per channel", torch.float32, "int8", "same"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", type=Path, default=next((p for p in DEFAULT_TEXTS if p.is_file()), None))
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated indices into VARIANTS (0 and 1, the references, always run)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.set_verbosity_error()
+    folder = fetch_default_model(quiet=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = torch.tensor(tokenizer.encode(args.text.read_text()))
+    print(f"{args.text}: {ids.numel()} tokens, windows of {args.window}")
+    results: dict[str, float] = {}
+    picked = {0, 1} | {int(i) for i in args.only.split(",") if i} if args.only else set(range(len(VARIANTS)))
+    for name, dtype, fmt, head in [v for i, v in enumerate(VARIANTS) if i in picked]:
+        t0 = time.perf_counter()
+        results[name] = perplexity(build(folder, dtype, fmt, head), ids, args.window)
+        print(f"{name:<48} ppl {results[name]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    f32, bf16 = results[VARIANTS[0][0]], results[VARIANTS[1][0]]
+    print("\n| weights | perplexity | vs bfloat16 | vs float32 |")
+    print("|---|---:|---:|---:|")
+    for name, ppl in results.items():
+        print(f"| {name} | {ppl:.3f} | {100 * (ppl / bf16 - 1):+.2f}% | {100 * (ppl / f32 - 1):+.2f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Decode speed and weight memory of the default model under each `Config.quantization` (Atom only).
+
+SmolLM2-135M-Instruct, one engine at a time, same thread count:
+
+* none, bfloat16 / none, float32: the file dequantized (what the parity tests run);
+* int8: every Linear int8 per output channel (`_weight_int8pack_mm`), float32 between GEMMs;
+* int4: every Linear 4-bit in groups of 32 with zeros, the LM head int8;
+* auto: the GGUF's own Q4_1 layers and Q8_0 LM head as shipped (the default), float32
+  between GEMMs; and auto with bfloat16 everywhere.
+
+Quantized GEMMs take bfloat16 activations in every row (torch's CPU kernels); the dtype is
+what runs between them (norms, attention, the residual stream).
+
+What is measured:
+
+* batch-1 decode: one 64-token prompt, 64 new tokens, 1 / tpot (first token excluded), best
+  of `--repeats`;
+* batch-8 decode: 8 prompts of 64 tokens admitted together, 64 new tokens each, 8 / mean
+  tpot, best of `--repeats`;
+* prefill: one 512-token prompt, prompt tokens / time to first token, best of `--repeats`;
+* weight bytes: parameters, packed weights and quantized kernels' tensors;
+* the greedy answer to "What is the capital of France?" and by how much its first token
+  ("The") leads the runner-up ("L") in the logits.
+
+    .venv/bin/python benchmarks/quantization.py [--threads 2] [--repeats 3] [--configs auto,int4,...]
+    .venv/bin/python benchmarks/quantization.py --kernels   # the GEMMs alone, per weight format
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import numpy as np
+import torch
+
+from atom_core import SamplingParams
+from atom_core.fetch import fetch_default_model
+from atom_core.llm_engine import LLMEngine
+
+CONFIGS = {
+    "none-bf16": dict(quantization="none", dtype="bfloat16"),
+    "none-f32": dict(quantization="none", dtype="float32"),
+    "int8": dict(quantization="int8"),
+    "int4": dict(quantization="int4"),
+    "auto": dict(),
+    "auto-bf16": dict(dtype="bfloat16"),
+}
+VOCAB_RANGE = (100, 40000)
+
+
+def tensor_bytes(obj: object, seen: set[int]) -> int:
+    """Bytes of the tensors an object holds (a tensor, a kernel object, a quantized weight)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "__dict__"):
+        return sum(tensor_bytes(v, seen) for v in vars(obj).values() if not isinstance(v, torch.nn.Module))
+    return 0
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = sum(tensor_bytes(p, seen) for p in model.parameters())
+    for module in model.modules():
+        for attr in ("packed_weight", "qw", "packed"):
+            total += tensor_bytes(getattr(module, attr, None), seen)
+    return total
+
+
+def decode_rate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    best = 0.0
+    for _ in range(repeats):
+        results = engine.generate(prompts, params, use_tqdm=False)
+        best = max(best, len(prompts) / float(np.mean([r["tpot"] for r in results])))
+    return best
+
+
+def prefill_rate(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1)
+    return max(len(prompt) / engine.generate([prompt], params, use_tqdm=False)[0]["ttft"] for _ in range(repeats))
+
+
+def answer(engine: LLMEngine) -> tuple[str, float, str, str]:
+    prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    top = engine.runner.last_logits[0].double().topk(2)
+    lead = float(top.values[0] - top.values[1])
+    first, runner_up = (engine.tokenizer.decode([int(i)]) for i in top.indices)
+    r = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]  # fmt: skip
+    return r["text"], lead, first, runner_up
+
+
+def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
+    """ms for all of SmolLM2's layer GEMMs (30 layers, distinct weights: streamed from memory)
+    and for its LM head, per weight format, random weights of the model's shapes."""
+    from atom_core.layers.linear import pick_gemm
+    from atom_core.layers.quant import Int4PackGemm, Int8PackGemm, quantize_int4, quantize_int8
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    formats = {
+        "bfloat16 (oneDNN)": lambda w: (lambda x, g=pick_gemm(w.bfloat16()): g[0](x.bfloat16(), g[1], None)),
+        "int8 per channel": lambda w: Int8PackGemm(quantize_int8(w)),
+        "int8 groups of 32": lambda w: Int4PackGemm(quantize_int8(w, 32)),
+        "int4 groups of 32": lambda w: Int4PackGemm(quantize_int4(w, 32)),
+    }
+    gen = torch.Generator().manual_seed(0)
+    print("\n| format | " + " | ".join(f"layers, {m} rows (ms) | LM head, {m} rows (ms)" for m in rows) + " |")
+    print("|---|" + "---:|---:|" * len(rows))
+    for name, make in formats.items():
+        layers = [make(torch.randn(n, k, generator=gen) * 0.05) for n, k in shapes]
+        head = make(torch.randn(49152, 576, generator=gen) * 0.05)
+        cells = []
+        for m in rows:
+            xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+            def all_layers() -> None:
+                for g, (_, k) in zip(layers, shapes):
+                    g(xs[k])
+
+            for fn, calls in ((all_layers, 5), (lambda: head(xs[576]), 20)):
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                cells.append(f"{1e3 * (time.perf_counter() - t0) / calls:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    ap.add_argument("--kernels", action="store_true", help="time the GEMMs alone per weight format, then stop")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.kernels:
+        kernel_times()
+        return
+    folder = fetch_default_model(quiet=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(*VOCAB_RANGE, size=args.prompt_len).tolist() for _ in range(8)]
+    long_prompt = rng.integers(*VOCAB_RANGE, size=512).tolist()
+    print(f"model {folder}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    rows = []
+    for name in args.configs.split(","):
+        t0 = time.perf_counter()
+        engine = LLMEngine(folder, max_model_len=1024, num_kvcache_blocks=8 * 10 + 80, **CONFIGS[name])
+        load = time.perf_counter() - t0
+        b1 = decode_rate(engine, prompts[:1], args.new_tokens, args.repeats)
+        b8 = decode_rate(engine, prompts, args.new_tokens, args.repeats)
+        pre = prefill_rate(engine, long_prompt, args.repeats)
+        text, lead, first, runner_up = answer(engine)
+        mib = weight_bytes(engine.runner.model) / 2**20
+        rows.append((name, b1, b8, pre, mib, load, f"{first!r} by {lead:.3f} over {runner_up!r}", text))
+        print(f"{name:>10}: batch-1 {b1:6.1f} tok/s, batch-8 {b8:6.1f} tok/s, prefill {pre:6.0f} tok/s, "
+              f"weights {mib:6.1f} MiB, "
+              f"load {load:4.1f} s, first token {rows[-1][6]}: {text!r}", flush=True)  # fmt: skip
+        del engine
+        gc.collect()
+    print("\n| config | batch-1 decode tok/s | batch-8 decode tok/s | prefill tok/s | weights (MiB) "
+          "| first answer token | answer |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---|---|")
+    for name, b1, b8, pre, mib, _, lead, text in rows:
+        print(f"| {name} | {b1:.1f} | {b8:.1f} | {pre:.0f} | {mib:.0f} | {lead} | {text[:40]} |")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (above {os.cpu_count()}: noisy figures)")
+
+
+if __name__ == "__main__":
+    main()

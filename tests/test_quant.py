@@ -1,0 +1,378 @@
+"""Weight-only quantization: the quantized GEMMs against float64, GGUF blocks kept exactly, models
+loaded quantized against the same file dequantized, and the config's errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from atom_core import Config, SamplingParams  # noqa: E402
+from atom_core.gguf_loader import _quantized_weight, load_gguf, write_gguf_blocks  # noqa: E402
+from atom_core.layers import quant  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
+from atom_core.layers.quant import (  # noqa: E402
+    ExactTopLogits,
+    load_blocks,
+    Int4PackGemm,
+    Int8PackGemm,
+    QuantizedEmbedding,
+    QuantizedWeight,
+    quantize_int4,
+    quantize_int8,
+)
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.loader import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+ROWS = (1, 3, 64, 700)
+BF16_U = 2.0**-8  # bfloat16 unit roundoff (8 significant bits): one rounding moves a value by at most this much
+
+
+def within_bf16(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    qw: QuantizedWeight | None = None,
+) -> None:
+    """`out` is x @ w.T (float64) up to rounding x, the result and (for `qw`'s kernel) its scales
+    and zeros to bfloat16: |error| <= u (2 |x| @ |w|.T + |x| @ scale_magnitudes.T), u bfloat16's
+    unit roundoff."""
+    ref = x.double() @ w.double().T
+    magnitudes = 2 * w.double().abs() + (0 if qw is None else qw.scale_magnitudes().double())
+    bound = BF16_U * 1.01 * (x.double().abs() @ magnitudes.T) + 1e-6
+    if bias is not None:
+        ref = ref + bias.double()
+        bound = bound + BF16_U * bias.double().abs()
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g}, where the bound is {bound[err > bound][0]:.3g}"
+
+
+def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[:, :5] *= 8  # a few outlier columns, as real weights have
+    return w
+
+
+@pytest.mark.parametrize(
+    ("make", "n", "k"),
+    [
+        (lambda w: quantize_int8(w), 80, 96),  # per channel: _weight_int8pack_mm
+        (lambda w: quantize_int4(w, 32), 96, 128),
+        (lambda w: quantize_int4(w, 64), 80, 192),  # 80 rows: padded to the kernel's 16
+        (lambda w: quantize_int4(w, 128), 48, 256),
+        (lambda w: quantize_int4(w, 32, symmetric=True), 32, 64),
+        (lambda w: quantize_int8(w, 32), 80, 96),  # 8-bit groups: two 4-bit halves
+        (lambda w: quantize_int8(w, 64), 16, 128),
+        (lambda w: quantize_int8(w, 32), 4096 + 88, 64),  # packed in row blocks, the last one padded
+    ],
+    ids=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-sym", "int8-g32", "int8-g64", "int8-g32-tall"],
+)
+def test_quantized_gemm_matches_float64_of_the_dequantized_weight(make, n, k):
+    qw = make(weight(n, k))
+    kernel = Int8PackGemm(qw) if qw.bits == 8 and qw.group_size == k else Int4PackGemm(qw)
+    w = qw.dequantize(torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        out = kernel(x)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        within_bf16(out, x, w, qw=qw)
+
+
+def test_quantization_error_is_half_a_step_and_quantized_weights_come_back_exactly():
+    w = weight(64, 256)
+    for qw, step in [(quantize_int4(w, 32), 1 / 15), (quantize_int8(w, 32), 1 / 254)]:
+        groups = w.reshape(64, -1, 32)
+        span = (groups.amax(-1) - groups.amin(-1)) if qw.bits == 4 else groups.abs().amax(-1) * 2
+        err = (qw.dequantize() - w).abs().reshape(64, -1, 32).amax(-1)
+        assert (err <= span * step / 2 * 1.001 + 1e-7).all()
+        # Quantizing the dequantized weight again finds the same integers (a Q4_1 / Q8_0 file under "int4").
+        again = quantize_int4(qw.dequantize(), 32) if qw.bits == 4 else quantize_int8(qw.dequantize(), 32)
+        assert torch.equal(again.qweight, qw.qweight)
+        torch.testing.assert_close(again.dequantize(), qw.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_runs_its_quantized_weight_in_the_models_dtype(mode, bias):
+    layer = MergedLinear(128, {"a": 64, "b": 32}, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(weight(96, 128))
+        if bias:
+            layer.bias.copy_(torch.randn(96))
+    b = None if layer.bias is None else layer.bias.detach().clone()
+    qw = layer.quant = quantize_int8(layer.weight) if mode == "int8" else quantize_int4(layer.weight, 32)
+    w = qw.dequantize(torch.float64)
+    layer.process_weights_after_loading()
+    assert layer.weight is None and layer.quant is None
+    for rows in ROWS:
+        x = torch.randn(rows, 128)
+        out = layer(x)
+        assert out.dtype == torch.float32
+        within_bf16(out, x, w, b, qw)
+    a, bb = layer.split(layer(torch.randn(2, 128)))
+    assert a.shape == (2, 64) and bb.shape == (2, 32)
+
+
+def test_exact_top_logits_equal_float32_near_the_maximum():
+    qw = quantize_int8(weight(512, 64, seed=3), 32)
+    head = ExactTopLogits(Int4PackGemm(qw), qw)
+    w = qw.dequantize(torch.float32)
+    x = torch.randn(5, 64) * 8  # logits of tens: bfloat16 steps of 0.06-0.25
+    out = head(x)
+    exact = x @ w.T
+    assert out.dtype == torch.float32
+    assert torch.equal(out.argmax(1), exact.argmax(1))
+    for r in range(5):
+        top = exact[r].argmax()
+        torch.testing.assert_close(out[r, top], exact[r, top], atol=1e-4, rtol=1e-6)
+    within_bf16(out, x, w, qw=qw)  # the rest: the kernel's own values
+
+
+def test_embedding_rows_from_a_quantized_table():
+    qw = quantize_int8(weight(100, 64), 32)
+    emb = QuantizedEmbedding(qw, torch.float32)
+    ids = torch.tensor([[3, 99], [0, 3]])
+    assert torch.equal(emb(ids), qw.dequantize()[ids])
+
+
+def test_fallback_dequantizes_where_there_is_no_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(quant, "_cpu_kernels_available", lambda: False)
+    layer = Linear(64, 32, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight(32, 64))
+    layer.quant = quantize_int4(layer.weight, 32)
+    w = layer.quant.dequantize()
+    with caplog.at_level("WARNING", logger="atom"):
+        layer.process_weights_after_loading()
+    assert "dequantized" in caplog.text
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+# --- GGUF blocks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_map_exactly(qtype, tmp_path):
+    w = weight(48, 96).numpy()
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("x.weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tensor,) = gguf.GGUFReader(path).tensors
+    qw = _quantized_weight(tensor)
+    assert (qw.bits, qw.group_size, qw.origin) == (8 if qtype == Q.Q8_0 else 4, 32, qtype.name)
+    assert torch.equal(qw.dequantize(), torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype)))
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool, hidden=64, heads=4, kv_heads=2, ffn=128,
+                     vocab=256, layers=2) -> None:  # fmt: skip
+    """A small llama GGUF laid out as llama.cpp writes it; `types` maps a tensor kind (q, k, v,
+    o, gate, up, down, embd, output) to its quantization type."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(writer.add_block_count, layers), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, hidden), (writer.add_feed_forward_length, ffn),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_bos_token_id, 1), (writer.add_eos_token_id, 2)]:  # fmt: skip
+        add(value)
+
+    def add(name: str, kind: str, shape: tuple[int, ...], scale: float, permute: int | None = None) -> None:
+        w = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if len(shape) == 1:
+            writer.add_tensor(name, (1 + 0.1 * w).astype(np.float32))
+            return
+        if permute:
+            w = _llama_cpp_permute(w, permute)
+        qtype = types[kind]
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "embd", (vocab, hidden), 1.0)
+    for i in range(layers):
+        b = f"blk.{i}"
+        add(f"{b}.attn_norm.weight", "", (hidden,), 1.0)
+        add(f"{b}.attn_q.weight", "q", (hidden, hidden), 0.15, heads)
+        add(f"{b}.attn_k.weight", "k", (kv_heads * hidden // heads, hidden), 0.15, kv_heads)
+        add(f"{b}.attn_v.weight", "v", (kv_heads * hidden // heads, hidden), 0.15)
+        add(f"{b}.attn_output.weight", "o", (hidden, hidden), 0.1)
+        add(f"{b}.ffn_norm.weight", "", (hidden,), 1.0)
+        add(f"{b}.ffn_gate.weight", "gate", (ffn, hidden), 0.15)
+        add(f"{b}.ffn_up.weight", "up", (ffn, hidden), 0.15)
+        add(f"{b}.ffn_down.weight", "down", (hidden, ffn), 0.1)
+    add("output_norm.weight", "", (hidden,), 1.0)
+    if not tied:
+        add("output.weight", "output", (vocab, hidden), 0.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def folder_from_gguf(path: Path) -> Path:
+    """The HF folder `gguf_to_hf_folder` writes, without the tokenizer (the tiny file has none)."""
+    config, state = load_gguf(path)
+    folder = path.parent / path.stem
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, str(folder / "model.safetensors"))
+    write_gguf_blocks(path, folder)
+    return folder
+
+
+def last_logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return engine.runner.last_logits.double()
+
+
+PROMPTS = [[5, 17, 33, 9, 101, 250, 7], [3, 4], list(range(10, 60))]
+LINEAR_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tied"), [(Q.Q4_1, True), (Q.Q4_0, False), (Q.Q8_0, True), (Q.Q8_0, False)], ids=str
+)
+def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path, qtype, tied, caplog):
+    types = dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, types, tied=tied)
+    folder = folder_from_gguf(path)
+    kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    with caplog.at_level("INFO", logger="atom"):
+        engine = LLMEngine(folder, **kw)
+    kept = "kept 15 Q8_0" if qtype == Q.Q8_0 else f"kept 14 {qtype.name}, 1 Q8_0"  # 7 tensors a layer, the head
+    assert kept in caplog.text, caplog.text
+    ref = last_logits(LLMEngine(folder, quantization="none", **kw), PROMPTS)
+    model = engine.runner.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.packed_weight, Int4PackGemm)  # 8-bit groups too: as two halves
+    assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) is tied
+    out = last_logits(engine, PROMPTS)
+    # Two layers of activations rounded to bfloat16 at every GEMM: a few bfloat16 steps of the logits' scale.
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    assert ((out - ref).abs() <= 4 * BF16_U * scale).all(), (out - ref).abs().max()
+    assert torch.equal(out.argmax(1), ref.argmax(1))
+    top = ref.argmax(1, keepdim=True)
+    torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), atol=2 * BF16_U * scale.max(), rtol=0)
+
+
+def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_path, caplog):
+    types = {"q": Q.Q4_1, "k": Q.Q4_1, "v": Q.Q8_0,  # one fused qkv with two formats: requantized to 8 bits
+             "o": Q.Q4_0, "gate": Q.Q5_1, "up": Q.Q5_1, "down": Q.F16, "embd": Q.Q8_0, "output": Q.Q4_1}  # fmt: skip
+    path = tmp_path / "mixed.gguf"
+    write_tiny_llama(path, types, tied=False)
+    folder = folder_from_gguf(path)
+    _, state = load_gguf(path)
+    source, weights = load_blocks(folder / GGUF_BLOCKS_FILE)
+    assert source == "mixed.gguf" and sorted(weights) == sorted(n for n, t in state.items() if t.dim() == 2)
+    for name, (gguf_type, qw) in weights.items():
+        if qw is not None:  # Q/K rows unpermuted like the float weights
+            assert torch.equal(qw.dequantize(), state[name]), name
+        else:
+            assert gguf_type in ("Q5_1", "F16"), name
+    assert [p.name for p in safetensors_files(folder)] == ["model.safetensors"]  # the blocks are no shard
+
+    with caplog.at_level("INFO", logger="atom"):
+        engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    assert "requantized" in caplog.text and "Q5_1" in caplog.text and "Q4_1/Q8_0" in caplog.text
+    layer = engine.runner.model.model.layers[0]
+    assert not isinstance(layer.mlp.down_proj.packed_weight, (Int4PackGemm, Int8PackGemm))  # F16: a float weight
+    assert isinstance(layer.self_attn.o_proj.packed_weight, Int4PackGemm)  # Q4_0 kept
+    assert layer.mlp.gate_up_proj.packed_weight.doubled  # Q5_1 -> 8-bit groups of 32
+    assert layer.self_attn.qkv_proj.packed_weight.doubled
+    ref = last_logits(LLMEngine(folder, quantization="none", dtype="float32", num_kvcache_blocks=32,
+                                max_model_len=128), PROMPTS)  # fmt: skip
+    out = last_logits(engine, PROMPTS)
+    assert torch.equal(out.argmax(1), ref.argmax(1))
+
+
+def test_auto_loads_a_folder_without_blocks_as_it_is(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, dict.fromkeys((*LINEAR_KINDS, "embd", "output"), Q.Q4_0), tied=True)
+    folder = folder_from_gguf(path)
+    (folder / GGUF_BLOCKS_FILE).unlink()
+    engine = LLMEngine(folder, num_kvcache_blocks=32, max_model_len=128)
+    assert not isinstance(engine.runner.model.model.embed_tokens, QuantizedEmbedding)
+    assert not isinstance(engine.runner.model.lm_head.packed_weight, ExactTopLogits)
+
+
+# --- quantizing any checkpoint --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "head", "head_bits"),
+    [("int4", "int8", 8), ("int4", "same", 4), ("int8", "none", None), ("int8", "int8", 8)],
+)
+def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mode, head, head_bits):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, dict.fromkeys((*LINEAR_KINDS, "embd", "output"), Q.F32), tied=True)
+    folder = folder_from_gguf(path)
+    kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    engine = LLMEngine(folder, quantization=mode, quantize_lm_head=head, **kw)
+    model = engine.runner.model
+    body = model.model.layers[1].mlp.down_proj.packed_weight
+    assert isinstance(body, Int4PackGemm) and body.doubled is (mode == "int8")  # 8-bit groups: two halves
+    if head_bits is None:
+        assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+        assert not isinstance(model.lm_head.packed_weight, ExactTopLogits)
+    else:
+        assert model.lm_head.packed_weight.kernel.doubled is (head_bits == 8)
+        assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # tied: rows from the head's weight
+    ref = last_logits(LLMEngine(folder, **kw), PROMPTS)  # F32 file under "auto": as it is
+    out = last_logits(engine, PROMPTS)
+    rel = ((out - ref).norm(dim=1) / ref.norm(dim=1)).max()
+    assert rel < (0.3 if mode == "int4" else 0.03), rel  # random weights: int4 groups of 32 are 8% noise a layer
+
+
+def test_layers_the_group_does_not_divide_go_per_channel(tmp_path, caplog):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, dict.fromkeys((*LINEAR_KINDS, "embd", "output"), Q.F32), tied=False)
+    folder = folder_from_gguf(path)
+    with caplog.at_level("WARNING", logger="atom"):
+        engine = LLMEngine(folder, quantization="int4", quantization_group_size=128, num_kvcache_blocks=32,
+                           max_model_len=128)  # fmt: skip
+    layer = engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj.packed_weight, Int8PackGemm)  # in_features 64
+    assert isinstance(layer.mlp.down_proj.packed_weight, Int4PackGemm)  # in_features 128
+    expected = "not a multiple of quantization_group_size 128: model.layers.0.self_attn.qkv_proj (in_features 64)"
+    assert expected in caplog.text
+
+
+def test_bad_quantization_settings_name_the_field():
+    with pytest.raises(ValueError, match=r"quantization must be one of 'auto', 'none', 'int8', 'int4', got 'int3'"):
+        Config(quantization="int3")
+    with pytest.raises(ValueError, match=r"quantization_group_size must be one of 32, 64, 128, 256, got 48"):
+        Config(quantization_group_size=48)
+    with pytest.raises(ValueError, match=r"quantize_lm_head must be one of 'int8', 'same', 'none', got 'int4'"):
+        Config(quantize_lm_head="int4")
+    c = Config()
+    assert (c.quantization, c.quantization_group_size, c.quantize_lm_head) == ("auto", 32, "int8")
+
+
+def test_a_layer_the_group_size_does_not_divide_is_an_error_naming_both():
+    with pytest.raises(ValueError, match="in_features 96 is not a multiple of quantization_group_size 64"):
+        quantize_int4(weight(16, 96), 64)
+
+
+def test_stacking_shards_of_different_formats_is_refused():
+    with pytest.raises(ValueError, match="cannot stack 4-bit groups of 32, 8-bit per channel"):
+        QuantizedWeight.cat([quantize_int4(weight(16, 64)), quantize_int8(weight(16, 64))])
