@@ -13,7 +13,7 @@ engines are loaded side by side and measured alternately; each figure is the bes
 greedy tokens of both engines must be identical (checked; a mismatch is an error).
 
     .venv/bin/python benchmarks/spec_decode.py [--k 4] [--dtype float32|bfloat16]
-        [--max-tokens 128] [--rounds 2] [--threads 2]
+        [--quantization auto|none|int8|int4] [--max-tokens 128] [--rounds 2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="auto", help="auto (the default model's Q4_1 weights), none, int8, int4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     spec = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=2, prompt_lookup_max=4)
-    common = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory=512 << 20)
+    common = dict(dtype=args.dtype, quantization=args.quantization, max_model_len=1024, kv_cache_memory=512 << 20)
     plain = LLMEngine(**common)
     drafting = LLMEngine(speculative_config=spec, **common)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -85,7 +86,10 @@ def main() -> None:
     def chat(text: str) -> list[int]:
         return plain.apply_chat_template([{"role": "user", "content": text}])
 
-    print(f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, ngram k={args.k}, greedy, <= {args.max_tokens} tokens")
+    print(
+        f"SmolLM2-135M-Instruct, {args.dtype}, quantization={args.quantization}, {args.threads} threads, "
+        f"ngram k={args.k}, greedy, <= {args.max_tokens} tokens"
+    )
     print("| workload | batch | without (tok/s) | with ngram (tok/s) | ratio | acceptance rate | mean acceptance length |")
     print("|---|---|---|---|---|---|---|")
     for name, texts in workloads().items():

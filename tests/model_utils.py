@@ -258,6 +258,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def cached_greedy(model, default_new: int):
+    """`hf_greedy` for `model`, each (prompt, length) computed once: a parity test's oracle."""
+    cache = {}
+
+    def greedy(prompt, n=default_new):
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = hf_greedy(model, prompt, n)
+        return cache[key]
+
+    return greedy
+
+
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits at every position of `tokens` (teacher forcing)."""
     with torch.no_grad():

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+from model_utils import build_tiny_model, cached_greedy, check_against_hf, random_prompts, run_with_logits  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
 
@@ -33,16 +33,7 @@ def tiny(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(tiny):
     """transformers' greedy continuation of a prompt, computed once per prompt."""
-    _, model = tiny
-    cache = {}
-
-    def greedy(prompt, n=NEW):
-        key = (tuple(prompt), n)
-        if key not in cache:
-            cache[key] = hf_greedy(model, prompt, n)
-        return cache[key]
-
-    return greedy
+    return cached_greedy(tiny[1], NEW)
 
 
 def record_gdn_rows(engine) -> list[tuple[int, int, bool]]:

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
-from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+from model_utils import build_tiny_model, cached_greedy, check_against_hf, random_prompts, run_with_logits  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
 
 NEW = 8
@@ -34,16 +34,7 @@ def tiny(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(tiny):
     """transformers' greedy continuation of a prompt, computed once per prompt."""
-    _, model = tiny
-    cache = {}
-
-    def greedy(prompt, n=NEW):
-        key = (tuple(prompt), n)
-        if key not in cache:
-            cache[key] = hf_greedy(model, prompt, n)
-        return cache[key]
-
-    return greedy
+    return cached_greedy(tiny[1], NEW)
 
 
 def record_state_traffic(engine) -> list[tuple[dict, dict]]:

@@ -39,8 +39,11 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
+        # The checkout's path is in the name too: two checkouts (a clone beside a working
+        # tree) would otherwise rebuild over each other's cache entry on every load.
+        where = hashlib.sha1(str(source.resolve().parent).encode()).hexdigest()[:6]
         return cpp_extension.load(
-            name=f"{name}_{cpu_tag()}",
+            name=f"{name}_{cpu_tag()}_{where}",
             sources=[str(source)],
             extra_include_paths=[str(INCLUDE_DIR)],
             # no fused multiply-add contraction (float32 results round as torch's do); no FP
