@@ -73,11 +73,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-acceptance-rate", type=float, default=None, help="the draft gate (default: Config's)")
     ap.add_argument("--quantization", default="auto", help="auto (the default model's Q4_1 weights), none, int8, int4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     spec = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=2, prompt_lookup_max=4)
+    if args.min_acceptance_rate is not None:
+        spec["min_acceptance_rate"] = args.min_acceptance_rate
     common = dict(dtype=args.dtype, quantization=args.quantization, max_model_len=1024, kv_cache_memory=512 << 20)
     plain = LLMEngine(**common)
     drafting = LLMEngine(speculative_config=spec, **common)
