@@ -286,6 +286,8 @@ class ModelRunner:
             reset_forward_context()
         t2 = time.perf_counter()
         tokens: list[list[int]] = []
+        # Where each sampling row's scored positions start in `logits` (its last token, then its drafts).
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]) if rows else np.zeros(0, dtype=np.int64)
         if rows:
             sampling = SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)
             if any(drafts):
@@ -296,7 +298,7 @@ class ModelRunner:
                     builder.commit_speculation(batch, accepted)
             else:
                 tokens = [[t] for t in self.sampler(logits, sampling).tolist()]
-        logprobs = self._logprobs(sample_ids, seqs, drafts, tokens, logits) if rows else {}
+        logprobs = self._logprobs(sample_ids, seqs, starts, tokens, logits) if rows else {}
         prompt_logprobs = self._prompt_logprobs(batch, seqs, meta, hidden)
         t3 = time.perf_counter()
         proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden)
@@ -311,7 +313,6 @@ class ModelRunner:
         if logits is None:
             self.last_logits = torch.empty((0, 0))
         else:
-            starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]])
             self.last_logits = logits[torch.from_numpy(starts + [len(t) - 1 for t in tokens])]
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
         out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
@@ -320,15 +321,13 @@ class ModelRunner:
             out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
         return out
 
-    def _logprobs(self, sample_ids, seqs, drafts, tokens, logits) -> dict[int, list]:
+    def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""
         out = {}
-        start = 0
-        for rid, d, t in zip(sample_ids, drafts, tokens):
+        for rid, start, t in zip(sample_ids, starts.tolist(), tokens):
             n = seqs[rid].sampling_params.logprobs
             if n is not None:
                 out[rid] = token_logprobs(logits[start : start + len(t)], t, n)
-            start += len(d) + 1
         return out
 
     def _prompt_logprobs(self, batch, seqs, meta, hidden) -> dict[int, tuple[int, list]]:
@@ -362,11 +361,11 @@ class ModelRunner:
         row_seqs = [seqs[batch.req_ids[i]] for i in rows]
         k, max_len = self.proposer.k, self.config.max_model_len
         limits = [wanted_drafts(s, len(t), k, max_len) for s, t in zip(row_seqs, tokens)]
-        # The last verified token of each row: its successor is the token just sampled.
-        token_index = [int(e) - 1 - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)]
         query_start_loc = meta.query_start_loc_cpu
+        # A sampling row's verified tokens end after its last accepted draft (whose successor
+        # is the token just sampled); every other row keeps all its tokens.
         verified_end = query_start_loc[1:].copy()
-        verified_end[rows] = np.asarray(token_index, dtype=np.int64) + 1
+        verified_end[rows] = [int(e) - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)]
         # The token after each row's last verified one: the next prompt token of a middle
         # chunk, the token just emitted where the row sampled.
         sampled = dict(zip(rows, tokens))
@@ -380,7 +379,6 @@ class ModelRunner:
             max_drafts=limits,
             batch=batch,
             batch_rows=rows,
-            token_index=token_index,
             input_ids=input_ids,
             positions=meta.positions,
             hidden_states=hidden,

@@ -40,7 +40,7 @@ class ProposalInput:
     """What one step tells the proposer.
 
     Two views of the step. The *drafting rows* (`seqs`, `new_token_ids`, `max_drafts`,
-    `batch_rows`, `token_index`) are the requests that sampled, in batch order: they get
+    `batch_rows`) are the requests that sampled, in batch order: they get
     drafts. The *batch rows* (`query_start_loc`, `verified_end`, `next_token_ids`, one
     entry per row of `batch`, middle prompt chunks included) say which tokens the target
     computed and kept, so a proposer with KV layers of its own can run them over every
@@ -48,10 +48,10 @@ class ProposalInput:
 
     `hidden_states` holds the target's final hidden state for every token the step ran
     (rows of `batch.scheduled_tokens`); `aux_hidden_states` the outputs of the decoder
-    layers the proposer named in `aux_hidden_layers`, in that order. `token_index[i]` is
-    the position in those tensors of drafting row i's last verified token (the one whose
-    successor was sampled). Tokens of a row from `verified_end` on were rejected drafts:
-    their KV is overwritten next step.
+    layers the proposer named in `aux_hidden_layers`, in that order. Drafting row i's last
+    verified token (the one whose successor was sampled) sits at
+    `verified_end[batch_rows[i]] - 1` in those tensors; tokens of a row from `verified_end`
+    on were rejected drafts: their KV is overwritten next step.
 
     The runner calls `propose` after every step, also when no row samples or none wants
     drafts (`max_drafts` all 0), so that draft KV never falls behind the target's.
@@ -62,12 +62,10 @@ class ProposalInput:
     max_drafts: list[int]  # drafts worth proposing per row (0: none), at most k
     batch: ScheduledBatch
     batch_rows: list[int]  # each seq's row in `batch`
-    token_index: list[int]
     input_ids: torch.Tensor
     positions: torch.Tensor
     hidden_states: torch.Tensor
     aux_hidden_states: list[torch.Tensor] = attrs.field(factory=list)
-    attn_metadata: dict[str, Any] = attrs.field(factory=dict)
     # Per row of `batch`: its tokens are [query_start_loc[r], query_start_loc[r + 1]) of the
     # step's tensors, the verified ones [query_start_loc[r], verified_end[r]) (every token
     # of a row without drafts), and `next_token_ids[r]` is the token after the last verified
