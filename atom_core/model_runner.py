@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -114,19 +115,29 @@ class ModelRunner:
         self.timings: dict[str, float] = defaultdict(float)
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:
+        model = self.instantiate(lambda: model_cls(self.hf_config, self.config))
+        return self.load_weights(model, self.config.model, quantize=True)
+
+    def instantiate(self, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """`make()` with its parameters in the runner's dtype, on its device (a target or a draft model)."""
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_cls(self.hf_config, self.config)
+                return make()
         finally:
             torch.set_default_dtype(previous)
-        load_model_weights(model, self.config.model)
-        quantize_model(model, self.config)  # Config.quantization: which Linears run quantized
-        for module in model.modules():  # kernels chosen for the loaded weights' device and dtype
-            if hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading()
-        return model.eval()
+
+    def load_weights(self, module: torch.nn.Module, folder: str, quantize: bool = False) -> torch.nn.Module:
+        """Load `module` from `folder`, quantized per `Config.quantization` if asked, with kernels
+        chosen for the loaded weights' device and dtype."""
+        load_model_weights(module, folder)
+        if quantize:
+            quantize_model(module, self.config)  # Config.quantization: which Linears run quantized
+        for m in module.modules():
+            if hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading()
+        return module.eval()
 
     def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
         """Keep the outputs of the named decoder layers each step (EAGLE-3 reads three of them)."""

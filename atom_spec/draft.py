@@ -38,7 +38,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context
-from atom_core.loader import SKIP, load_model_weights, safetensors_files
+from atom_core.loader import SKIP, safetensors_files
 from atom_core.speculative import Drafts, ProposalInput, Proposer
 
 
@@ -62,13 +62,7 @@ class DraftBatch:
 
 def build_draft_module(runner: Any, make: Callable[[], nn.Module], folder: str | Path) -> nn.Module:
     """`make()` in the runner's dtype and device, its weights loaded from `folder`, kernels picked."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(runner.dtype)
-    try:
-        with torch.device(runner.device):
-            module = make()
-    finally:
-        torch.set_default_dtype(previous)
+    module = runner.instantiate(make)
     mapper = getattr(module, "map_checkpoint_name", None)
     if mapper is not None and all(mapper(n) == SKIP for n in checkpoint_names(folder)):
         prefix = getattr(module, "checkpoint_prefix", None)
@@ -76,11 +70,7 @@ def build_draft_module(runner: Any, make: Callable[[], nn.Module], folder: str |
             f"the checkpoint in {folder} holds no tensors of the draft model {type(module).__name__}"
             + (f" (none named {prefix}*)" if prefix else "")
         )
-    load_model_weights(module, folder)
-    for m in module.modules():
-        if hasattr(m, "process_weights_after_loading"):
-            m.process_weights_after_loading()
-    return module.eval()
+    return runner.load_weights(module, str(folder))
 
 
 def checkpoint_names(folder: str | Path) -> list[str]:
