@@ -1,4 +1,4 @@
-"""`Linear` after loading: the packed oneDNN GEMM on CPU, the plain weight released."""
+"""`Linear` after loading: the packed oneDNN GEMM on CPU, and the weight-streaming kernel at 1-8 rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear, StreamingGemm, gemv_ops  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -42,7 +42,9 @@ def test_packed_gemm_matches_plain_at_every_row_count(dtype, bias):
 
 
 @needs_onednn
-def test_untied_weight_is_freed_and_tied_weight_survives():
+def test_untied_weight_is_freed_and_tied_weight_survives(monkeypatch):
+    # as with ATOM_DISABLE_GEMV=1: the streaming kernel keeps the plain weight on purpose
+    monkeypatch.setattr("atom_core.layers.linear.gemv_ops", lambda: None)
     layer = loaded(Linear(64, 32), torch.float32)
     ref = weakref.ref(layer.weight)
     layer.process_weights_after_loading()
@@ -66,3 +68,64 @@ def test_disabled_onednn_keeps_plain_weight(monkeypatch):
     assert layer.packed_weight is None and layer.gemm is torch.nn.functional.linear
     x = torch.randn(5, 16)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+
+
+needs_gemv = pytest.mark.skipif(gemv_ops() is None, reason="the C++ kernels did not build (see the warning)")
+
+
+@needs_gemv
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
+    """Every row count the kernel takes, widths with and without a vector tail, row counts
+    that leave a partial tile (and runs split across threads)."""
+    ops = gemv_ops()
+    gen = torch.Generator().manual_seed(1)
+    for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96)]:
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
+        b = torch.randn(n, generator=gen).to(xdtype) if bias else None
+        for rows in range(1, int(ops.MAX_ROWS) + 1):
+            x = torch.randn(rows, k, generator=gen).to(xdtype)
+            out = ops.gemv(x, w, b)
+            assert out.dtype == xdtype and out.shape == (rows, n)
+            expected = x.double() @ w.double().T + (0 if b is None else b.double())
+            # float32: summation order only; bfloat16 output: one rounding of the float32 sum
+            tol = dict(atol=1e-5, rtol=1e-5) if xdtype == torch.float32 else dict(atol=1e-2, rtol=2**-8)
+            torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@needs_gemv
+def test_streaming_gemv_refuses_what_it_cannot_take():
+    ops = gemv_ops()
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        ops.gemv(torch.randn(9, 16), torch.randn(4, 16), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.gemv(torch.randn(1, 16), torch.randn(4, 16).half(), None)
+
+
+@needs_onednn
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
+    """Up to MAX_ROWS rows go to the streaming kernel, more to packed oneDNN; both agree."""
+    layer = loaded(Linear(96, 80, bias=True), dtype)
+    weight, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.process_weights_after_loading()
+    assert isinstance(layer.gemm, StreamingGemm) and layer.packed_weight is not None
+    calls = []
+    ops = layer.gemm.ops
+
+    class Spy:
+        MAX_ROWS = ops.MAX_ROWS
+
+        def gemv(self, *args):
+            calls.append(args[0].shape[0])
+            return ops.gemv(*args)
+
+    layer.gemm.ops = Spy()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 96).to(dtype)
+        torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().T + b.double(), **tol)
+    assert calls == [1, 8]

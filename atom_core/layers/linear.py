@@ -8,17 +8,27 @@ and 2x on the vocab-sized LM head; for bfloat16 the packed weight is 1.2x faster
 the plain weight (a tied LM head leaves the embedding's alone). Other devices keep
 `F.linear`. A kernel plugin replaces `pick_gemm`. A layer given a quantized weight
 (`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
+
+At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, and oneDNN reads it at
+16-22 GB/s here; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads at 24-35 GB/s
+(float32) and 21-30 GB/s (bfloat16) of this machine's ~30 GB/s, on the plain weight, which
+is kept beside the packed one for it: float weights take twice their size in memory on CPU
+(ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every row count).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.layers.cpp import load_extension
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -33,11 +43,32 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 PACK_ROWS = 64
 
 
-def pick_gemm(weight: torch.Tensor) -> tuple[Gemm, torch.Tensor]:
+@functools.cache
+def gemv_ops() -> ModuleType | None:
+    if os.environ.get("ATOM_DISABLE_GEMV"):
+        return None
+    return load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
+
+
+class StreamingGemm:
+    """Packed oneDNN, and the weight-streaming kernel on the plain weight for 1 to `max_rows` rows."""
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType):
+        self.weight, self.ops, self.max_rows = weight.detach().contiguous(), ops, int(ops.MAX_ROWS)
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.max_rows:
+            return self.ops.gemv(x, self.weight, bias)
+        return _onednn_linear(x, packed, bias)
+
+
+def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
 
-    Packed oneDNN for float32 and bfloat16 on CPU (off with ATOM_DISABLE_ONEDNN=1),
-    `F.linear` on the plain weight elsewhere.
+    Packed oneDNN for float32 and bfloat16 on CPU (off with ATOM_DISABLE_ONEDNN=1), with
+    the streaming kernel for decode-sized row counts unless `streaming` is False (MoE
+    experts, whose rows per expert vary and whose plain copies would double the biggest
+    weights); `F.linear` on the plain weight elsewhere.
     """
     if (
         weight.device.type == "cpu"
@@ -46,7 +77,9 @@ def pick_gemm(weight: torch.Tensor) -> tuple[Gemm, torch.Tensor]:
         and not os.environ.get("ATOM_DISABLE_ONEDNN")
     ):
         with torch.no_grad():
-            return _onednn_linear, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        ops = gemv_ops() if streaming else None
+        return (_onednn_linear if ops is None else StreamingGemm(weight, ops)), packed
     return F.linear, weight
 
 

@@ -128,11 +128,11 @@ class FusedMoE(nn.Module):
         """Repack each expert's matrices for the GEMM `pick_gemm` chooses; the copies replace the stacks."""
         if self.packed is not None:
             return
-        self.gemm, _ = pick_gemm(self.w2[0])  # the choice depends on device and dtype only
+        self.gemm, _ = pick_gemm(self.w2[0], streaming=False)  # the choice depends on device and dtype only
         if self.gemm is F.linear:
             return
         self.weight_dtype = self.w13.dtype
-        self.packed = ([pick_gemm(w)[1] for w in self.w13], [pick_gemm(w)[1] for w in self.w2])
+        self.packed = ([pick_gemm(w, False)[1] for w in self.w13], [pick_gemm(w, False)[1] for w in self.w2])
         self.w13 = None
         self.w2 = None
 
