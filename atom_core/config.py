@@ -161,6 +161,10 @@ class Config:
     max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
     # Most top tokens a request may ask for in `logprobs` / `prompt_logprobs` (vLLM's max_logprobs).
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
+    # True (default): run the model module by module. False: steps of up to 8 tokens take
+    # the torch.compile'd forward (atom_core/compile.py; compiled on first use, cached on
+    # disk). On CPU it measured no faster than eager here (docs/performance.md), hence the default.
+    enforce_eager: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
 

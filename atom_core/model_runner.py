@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from atom_core.attention import AttentionMetadataBuilder
+from atom_core.compile import compile_model
 from atom_core.config import Config
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.loader import load_model_weights
@@ -112,6 +113,7 @@ class ModelRunner:
         self.kv_cache_tensors: dict[str, torch.Tensor] = {}
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
+        self.run_model = compile_model(self.model, self.attn_layers, config, self.device)
         self.timings: dict[str, float] = defaultdict(float)
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:
@@ -286,7 +288,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         self._aux_hidden.clear()
         try:
-            hidden = self.model(input_ids, meta.positions)
+            hidden = self.run_model(input_ids, meta.positions)
             # Only the positions that sample reach the lm_head: a request's last token, or
             # its last token and each draft; middle chunks and prompt tokens never do.
             logits = None

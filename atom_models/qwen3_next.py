@@ -138,6 +138,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         mixed_qkv = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
         return mixed_qkv, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
 
+    @property
+    def out_features(self) -> int:
+        """Width of what `forward` returns per token (the compiled path's contract)."""
+        return self.out_proj.out_features
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.impl is None:
             raise RuntimeError(f"GDN layer {self.layer_id} has no state bound; run it through a ModelRunner")

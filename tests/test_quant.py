@@ -22,10 +22,12 @@ from atom_core.layers.quant import (  # noqa: E402
     ExactTopLogits,
     load_blocks,
     Int4PackGemm,
+    StreamingInt4Gemm,
     Int8PackGemm,
     QuantizedEmbedding,
     QuantizedWeight,
     quantize_int4,
+    quantized_linear,
     quantize_int8,
 )
 from atom_core.llm_engine import LLMEngine  # noqa: E402
@@ -263,7 +265,9 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     ref = last_logits(LLMEngine(folder, quantization="none", **kw), PROMPTS)
     model = engine.runner.model
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj.packed_weight, Int4PackGemm)  # 8-bit groups too: as two halves
+    # 4-bit groups of 32 stream through Atom's kernel at decode rows; 8-bit groups run as two halves
+    expected = Int4PackGemm if qtype == Q.Q8_0 else StreamingInt4Gemm
+    assert isinstance(layer.self_attn.qkv_proj.packed_weight, expected)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding) is tied
     out = last_logits(engine, PROMPTS)
@@ -273,6 +277,54 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     assert torch.equal(out.argmax(1), ref.argmax(1))
     top = ref.argmax(1, keepdim=True)
     torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), atol=2 * BF16_U * scale.max(), rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0], ids=str)
+def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path, qtype):
+    """Decode rows (1-8 a step) take the streaming 4-bit kernel, not the prompt path above."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}, tied=True)
+    folder = folder_from_gguf(path)
+    kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    engines = [LLMEngine(folder, **kw), LLMEngine(folder, quantization="none", **kw)]
+    assert isinstance(engines[0].runner.model.model.layers[0].mlp.down_proj.packed_weight, StreamingInt4Gemm)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for engine in engines:
+        for p in PROMPTS[:2]:
+            engine.add_request(p, params)
+        engine.step()  # the prompts
+    for _ in range(6):  # both engines decode the 4-bit engine's tokens (teacher forced)
+        engines[0].step()
+        out = engines[0].runner.last_logits.double()
+        for seq, new in zip(engines[1].scheduler.running, [s.token_ids[-1] for s in engines[0].scheduler.running]):
+            seq.token_ids[-1] = seq.last_token = new  # the float engine scores the same continuation
+        engines[1].step()
+        ref = engines[1].runner.last_logits.double()
+        scale = ref.abs().amax(dim=1, keepdim=True)
+        assert ((out - ref).abs() <= 4 * BF16_U * scale).all(), (out - ref).abs().max()
+
+
+def test_streaming_4bit_kernel_against_float64(tmp_path):
+    """The kernel at every row count it takes, an odd number of groups, a bias: against the
+    float64 product of x and the weight it holds (float16 scales and mins)."""
+    from atom_core.layers.linear import gemv_ops
+
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(5, 32), (100, 96), (131, 576), (37, 1536)]:
+        qw = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32)
+        kernel = StreamingInt4Gemm(qw, gemv_ops())
+        q = qw.qweight.reshape(n, k // 32, 32).double()
+        w = (q * kernel.scales.double().unsqueeze(-1) + kernel.mins.double().unsqueeze(-1)).reshape(n, k)
+        for rows in range(1, 9):
+            x = torch.randn(rows, k, generator=gen)
+            ref = x.double() @ w.T
+            # x is split into int8 hi and lo parts: about 16 bits of each group's largest value
+            tol = 1e-4 * (x.double().abs().amax() * w.abs().sum(1).amax())
+            assert (kernel(x).double() - ref).abs().max() <= tol
+        bias = torch.randn(n, generator=gen)
+        out = quantized_linear(x, kernel, bias)
+        torch.testing.assert_close(out.double(), ref + bias.double(), atol=float(tol), rtol=0)
+        assert kernel(torch.randn(9, k)).shape == (9, n)  # more rows: torch's kernel
 
 
 def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_path, caplog):
@@ -296,7 +348,7 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
     assert "requantized" in caplog.text and "Q5_1" in caplog.text and "Q4_1/Q8_0" in caplog.text
     layer = engine.runner.model.model.layers[0]
     assert not isinstance(layer.mlp.down_proj.packed_weight, (Int4PackGemm, Int8PackGemm))  # F16: a float weight
-    assert isinstance(layer.self_attn.o_proj.packed_weight, Int4PackGemm)  # Q4_0 kept
+    assert isinstance(layer.self_attn.o_proj.packed_weight, StreamingInt4Gemm)  # Q4_0 kept
     assert layer.mlp.gate_up_proj.packed_weight.doubled  # Q5_1 -> 8-bit groups of 32
     assert layer.self_attn.qkv_proj.packed_weight.doubled
     ref = last_logits(LLMEngine(folder, quantization="none", dtype="float32", num_kvcache_blocks=32,
@@ -330,12 +382,16 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
     engine = LLMEngine(folder, quantization=mode, quantize_lm_head=head, **kw)
     model = engine.runner.model
     body = model.model.layers[1].mlp.down_proj.packed_weight
-    assert isinstance(body, Int4PackGemm) and body.doubled is (mode == "int8")  # 8-bit groups: two halves
+    if mode == "int8":
+        assert isinstance(body, Int4PackGemm) and body.doubled  # 8-bit groups: two 4-bit halves
+    else:
+        assert isinstance(body, StreamingInt4Gemm)
     if head_bits is None:
         assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
         assert not isinstance(model.lm_head.packed_weight, ExactTopLogits)
     else:
-        assert model.lm_head.packed_weight.kernel.doubled is (head_bits == 8)
+        head_kernel = model.lm_head.packed_weight.kernel
+        assert isinstance(head_kernel, Int4PackGemm if head_bits == 8 else StreamingInt4Gemm)
         assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # tied: rows from the head's weight
     ref = last_logits(LLMEngine(folder, **kw), PROMPTS)  # F32 file under "auto": as it is
     out = last_logits(engine, PROMPTS)

@@ -37,6 +37,11 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.impl = None
 
+    @property
+    def out_features(self) -> int:
+        """Width of what `forward` returns per token (the compiled path's contract, `atom_core.compile`)."""
+        return self.num_heads * self.head_dim
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads * head_dim], k and v: [tokens, kv_heads * head_dim]."""
         if self.impl is None:

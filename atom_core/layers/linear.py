@@ -47,7 +47,12 @@ PACK_ROWS = 64
 def gemv_ops() -> ModuleType | None:
     if os.environ.get("ATOM_DISABLE_GEMV"):
         return None
-    return load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
+    ops = load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
+    if ops is not None:  # the shapes `torch.compile` traces with (the op itself is registered in C++)
+        torch.library.register_fake("atom_gemv::gemv")(
+            lambda x, w, bias: x.new_empty((x.shape[0], w.shape[0]))
+        )  # fmt: skip
+    return ops
 
 
 class StreamingGemm:
@@ -58,6 +63,8 @@ class StreamingGemm:
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.max_rows:
+            if torch.compiler.is_compiling():
+                return torch.ops.atom_gemv.gemv(x, self.weight, bias)
             return self.ops.gemv(x, self.weight, bias)
         return _onednn_linear(x, packed, bias)
 

@@ -64,6 +64,11 @@ class MLAAttention(nn.Module):
         w = self.kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, self.qk_nope_head_dim :]
 
+    @property
+    def out_features(self) -> int:
+        """Width of what `forward` returns per token (the compiled path's contract)."""
+        return self.num_heads * self.v_head_dim
+
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q_nope: [tokens, heads, qk_nope]; q_pe: [tokens, heads, qk_rope] (roped); c_kv: [tokens,
         kv_lora_rank] (normalised); k_pe: [tokens, qk_rope] (roped) -> [tokens, heads * v_head_dim]."""

@@ -25,6 +25,9 @@ def cpu_ops() -> ModuleType | None:
 
 
 def _native(x: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels for CPU tensors; not while `torch.compile` traces (it fuses the torch versions)."""
+    if torch.compiler.is_compiling():
+        return None
     return cpu_ops() if x.device.type == "cpu" else None
 
 

@@ -239,6 +239,37 @@ class Int4PackGemm:
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class StreamingInt4Gemm:
+    """4-bit groups of 32 at decode row counts through Atom's own kernel, torch's beyond.
+
+    `gemv_cpu.cpp`'s `q4_gemv` streams the weight (16 bytes a group plus float16 scale and
+    min, exact for GGUF Q4_0/Q4_1) and multiplies it with integer dot products (vpdpbusd)
+    against x split per group of 32 into two int8 parts (about 16 significant bits, more than
+    the bfloat16 activations torch's kernel takes). At 1-8 rows that is the bandwidth-bound
+    case torch's kernel serves slowly; more rows (prompt chunks) go to `Int4PackGemm`, which
+    keeps its own packed copy.
+    """
+
+    def __init__(self, qw: QuantizedWeight, ops: Any):
+        n, k = qw.shape
+        if qw.bits != 4 or qw.group_size != 32 or k % 32:
+            raise ValueError(f"the streaming 4-bit kernel takes 4-bit groups of 32, not {qw.format}")
+        self.ops, self.max_rows = ops, int(ops.MAX_ROWS)
+        self.out_features, self.in_features = n, k
+        q = qw.qweight.reshape(n, k // 32, 32)
+        self.qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+        self.scales = qw.scales.to(torch.float16).contiguous()
+        self.mins = (qw.zeros - 8 * qw.scales).to(torch.float16).contiguous()  # w = q * scale + min
+        self.large = Int4PackGemm(qw)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(-1, self.in_features)
+        if a.shape[0] > self.max_rows or a.shape[0] == 0:
+            return self.large(x)
+        out = self.ops.q4_gemv(a, self.qweight, self.scales, self.mins, None)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 class Int8PackGemm:
     """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel."""
 
@@ -319,12 +350,14 @@ def pick_quantized_gemm(
     (`exact_top`); elsewhere, or for a shape the kernels refuse, the weight is dequantized
     once to `dtype` and takes the float path (`pick_gemm`).
     """
-    from atom_core.layers.linear import pick_gemm
+    from atom_core.layers.linear import gemv_ops, pick_gemm
 
     if device.type == "cpu" and _cpu_kernels_available():
         try:
             if qw.bits == 8 and qw.group_size == qw.shape[1]:
                 kernel = Int8PackGemm(qw)
+            elif qw.bits == 4 and qw.group_size == 32 and (ops := gemv_ops()) is not None:
+                kernel = StreamingInt4Gemm(qw, ops)
             else:
                 kernel = Int4PackGemm(qw)
             return quantized_linear, ExactTopLogits(kernel, qw) if exact_top else kernel
