@@ -1,0 +1,133 @@
+"""llama.cpp's `llama-batched-bench`, built once from the sources the `llama-cpp-python` sdist vendors.
+
+PyPI is the only network the benchmark machines have, so llama.cpp comes from the same pinned
+sdist `tests/gguf_convert.py` takes its converter from (`vendor/llama.cpp/`). Sources and build
+are kept under `<cache>/llama-cpp-build/<version>/` (`$ATOM_CACHE_DIR` or `~/.cache/atom`):
+Release, CPU only, `-march=native` (GGML_NATIVE), static, only the one target. The first build
+takes about 6 minutes on 2 cores; a `built` stamp written after success marks it reusable.
+
+    .venv/bin/python benchmarks/llamacpp_build.py    # build now if needed, print the binary's path
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gguf_convert import LLAMA_CPP_PYTHON_VERSION, _download_sdist, cache_dir  # noqa: E402
+
+TARGET = "llama-batched-bench"
+# Unneeded by the build and the bulk of the tree (vocabulary GGUFs, docs, images).
+_SKIPPED = ("models/", "docs/", "media/", ".git")
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DGGML_CUDA=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_OPENSSL=OFF",  # no HTTPS model downloads (this llama.cpp has no LLAMA_CURL any more)
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+)
+
+
+def build_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    return cache_dir() / "llama-cpp-build" / version
+
+
+def llama_cpp_commit(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
+    """The llama.cpp commit the sdist vendors (its submodule HEAD), or "unknown"."""
+    path = build_root(version) / "src" / "COMMIT"
+    return path.read_text().strip() if path.is_file() else "unknown"
+
+
+def batched_bench(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Path of the `llama-batched-bench` binary, fetching and building it on first use."""
+    root = build_root(version)
+    binary, stamp = root / "build" / "bin" / TARGET, root / "build" / "built"
+    if binary.is_file() and stamp.is_file():
+        return binary
+    src = _sources(root, version)
+    build = root / "build"
+    started = time.perf_counter()
+    if not (build / "CMakeCache.txt").is_file():
+        _log(f"configuring llama.cpp ({llama_cpp_commit(version)[:10]}) in {build}")
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_OPTIONS], stream=False)
+    _log(f"building {TARGET} with {os.cpu_count()} jobs (about 6 minutes on 2 cores, once)")
+    _run(["cmake", "--build", str(build), "--target", TARGET, "-j", str(os.cpu_count() or 1)], stream=True)
+    if not binary.is_file():
+        raise RuntimeError(f"the build finished but {binary} does not exist")
+    stamp.write_text(f"{' '.join(CMAKE_OPTIONS)}\n")
+    _log(f"built {binary} in {time.perf_counter() - started:.0f} s")
+    return binary
+
+
+def _sources(root: Path, version: str) -> Path:
+    """`<root>/src`: the sdist's vendor/llama.cpp tree, downloaded and extracted on first use."""
+    src = root / "src"
+    if (src / "CMakeLists.txt").is_file():
+        return src
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="atom-llama-cpp-") as tmp:
+        _log(f"downloading the llama-cpp-python {version} sdist from PyPI")
+        sdist = _download_sdist(version, Path(tmp))
+        partial = root / f".src.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _extract_llama_cpp(sdist, partial)
+            try:
+                os.rename(partial, src)  # atomic; another process may have finished first
+            except OSError:
+                if not (src / "CMakeLists.txt").is_file():
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return src
+
+
+def _extract_llama_cpp(sdist: Path, dest: Path) -> None:
+    """vendor/llama.cpp/ (less _SKIPPED) into dest, and its submodule commit into dest/COMMIT."""
+    with tarfile.open(sdist) as tar:
+        members, commit = [], "unknown"
+        for m in tar.getmembers():
+            rest = m.name.partition("/")[2]
+            if rest == ".git/modules/vendor/llama.cpp/HEAD":
+                commit = tar.extractfile(m).read().decode().strip()
+            rel = rest.removeprefix("vendor/llama.cpp/")
+            if rel != rest and rel and (m.isfile() or m.isdir()) and not rel.startswith(_SKIPPED):
+                m.name = rel
+                members.append(m)
+        if not any(m.name == "CMakeLists.txt" for m in members):
+            raise RuntimeError(f"{sdist.name} has no vendor/llama.cpp/CMakeLists.txt")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.11.4
+        tar.extractall(dest, members=members, **safe)
+    (dest / "COMMIT").write_text(commit + "\n")
+
+
+def _run(cmd: list[str], stream: bool) -> None:
+    """Run a build command; with `stream`, echo ninja's `[n/m]` lines as progress."""
+    tail: deque[str] = deque(maxlen=60)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            tail.append(line)
+            if stream and line.startswith("["):
+                _log(line.rstrip()[:120])
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{''.join(tail)}")
+
+
+def _log(message: str) -> None:
+    print(f"llama.cpp: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    print(batched_bench())
