@@ -22,7 +22,7 @@ from atom_core.layers.quant import (  # noqa: E402
     ExactTopLogits,
     load_blocks,
     Int4PackGemm,
-    StreamingInt4Gemm,
+    StreamingGroupGemm,
     Int8PackGemm,
     QuantizedEmbedding,
     QuantizedWeight,
@@ -265,9 +265,10 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     ref = last_logits(LLMEngine(folder, quantization="none", **kw), PROMPTS)
     model = engine.runner.model
     layer = model.model.layers[0]
-    # 4-bit groups of 32 stream through Atom's kernel at decode rows; 8-bit groups run as two halves
-    expected = Int4PackGemm if qtype == Q.Q8_0 else StreamingInt4Gemm
-    assert isinstance(layer.self_attn.qkv_proj.packed_weight, expected)
+    # groups of 32 stream through Atom's kernel at decode rows, torch's int4 kernel for prompts
+    # (8-bit groups as two 4-bit halves there)
+    kernel = layer.self_attn.qkv_proj.packed_weight
+    assert isinstance(kernel, StreamingGroupGemm) and kernel.large.doubled is (qtype == Q.Q8_0)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding) is tied
     out = last_logits(engine, PROMPTS)
@@ -287,7 +288,7 @@ def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path
     folder = folder_from_gguf(path)
     kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
     engines = [LLMEngine(folder, **kw), LLMEngine(folder, quantization="none", **kw)]
-    assert isinstance(engines[0].runner.model.model.layers[0].mlp.down_proj.packed_weight, StreamingInt4Gemm)
+    assert isinstance(engines[0].runner.model.model.layers[0].mlp.down_proj.packed_weight, StreamingGroupGemm)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for engine in engines:
         for p in PROMPTS[:2]:
@@ -304,22 +305,25 @@ def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path
         assert ((out - ref).abs() <= 4 * BF16_U * scale).all(), (out - ref).abs().max()
 
 
-def test_streaming_4bit_kernel_against_float64(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_streaming_group_kernel_against_float64(bits):
     """The kernel at every row count it takes, an odd number of groups, a bias: against the
     float64 product of x and the weight it holds (float16 scales and mins)."""
     from atom_core.layers.linear import gemv_ops
 
     gen = torch.Generator().manual_seed(3)
     for n, k in [(5, 32), (100, 96), (131, 576), (37, 1536)]:
-        qw = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32)
-        kernel = StreamingInt4Gemm(qw, gemv_ops())
-        q = qw.qweight.reshape(n, k // 32, 32).double()
+        w = torch.randn(n, k, generator=gen) * 0.05
+        qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w, 32)
+        kernel = StreamingGroupGemm(qw, gemv_ops())
+        q = kernel.qweight if bits == 8 else qw.qweight
+        q = q.reshape(n, k // 32, 32).double()
         w = (q * kernel.scales.double().unsqueeze(-1) + kernel.mins.double().unsqueeze(-1)).reshape(n, k)
         for rows in range(1, 9):
             x = torch.randn(rows, k, generator=gen)
             ref = x.double() @ w.T
             # x is split into int8 hi and lo parts: about 16 bits of each group's largest value
-            tol = 1e-4 * (x.double().abs().amax() * w.abs().sum(1).amax())
+            tol = 1e-4 * (x.double().abs().amax() * w.abs().sum(1).amax()) * (1 if bits == 4 else 16)
             assert (kernel(x).double() - ref).abs().max() <= tol
         bias = torch.randn(n, generator=gen)
         out = quantized_linear(x, kernel, bias)
@@ -348,9 +352,9 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
     assert "requantized" in caplog.text and "Q5_1" in caplog.text and "Q4_1/Q8_0" in caplog.text
     layer = engine.runner.model.model.layers[0]
     assert not isinstance(layer.mlp.down_proj.packed_weight, (Int4PackGemm, Int8PackGemm))  # F16: a float weight
-    assert isinstance(layer.self_attn.o_proj.packed_weight, StreamingInt4Gemm)  # Q4_0 kept
-    assert layer.mlp.gate_up_proj.packed_weight.doubled  # Q5_1 -> 8-bit groups of 32
-    assert layer.self_attn.qkv_proj.packed_weight.doubled
+    assert isinstance(layer.self_attn.o_proj.packed_weight, StreamingGroupGemm)  # Q4_0 kept
+    assert layer.mlp.gate_up_proj.packed_weight.large.doubled  # Q5_1 -> 8-bit groups of 32
+    assert layer.self_attn.qkv_proj.packed_weight.large.doubled
     ref = last_logits(LLMEngine(folder, quantization="none", dtype="float32", num_kvcache_blocks=32,
                                 max_model_len=128), PROMPTS)  # fmt: skip
     out = last_logits(engine, PROMPTS)
@@ -383,15 +387,15 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
     model = engine.runner.model
     body = model.model.layers[1].mlp.down_proj.packed_weight
     if mode == "int8":
-        assert isinstance(body, Int4PackGemm) and body.doubled  # 8-bit groups: two 4-bit halves
+        assert isinstance(body, StreamingGroupGemm) and body.large.doubled  # 8-bit groups: two 4-bit halves
     else:
-        assert isinstance(body, StreamingInt4Gemm)
+        assert isinstance(body, StreamingGroupGemm) and not body.large.doubled
     if head_bits is None:
         assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
         assert not isinstance(model.lm_head.packed_weight, ExactTopLogits)
     else:
         head_kernel = model.lm_head.packed_weight.kernel
-        assert isinstance(head_kernel, Int4PackGemm if head_bits == 8 else StreamingInt4Gemm)
+        assert isinstance(head_kernel, StreamingGroupGemm) and head_kernel.large.doubled is (head_bits == 8)
         assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # tied: rows from the head's weight
     ref = last_logits(LLMEngine(folder, **kw), PROMPTS)  # F32 file under "auto": as it is
     out = last_logits(engine, PROMPTS)

@@ -87,11 +87,11 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     kernel at decode rows, torch's int4 kernel with bfloat16 activations for prompts, float32
     between GEMMs) and the Q8_0 LM head's near-top logits are exact: the first answer token,
     "The", leads "L" by only 0.08 in float32."""
-    from atom_core.layers.quant import ExactTopLogits, QuantizedEmbedding, StreamingInt4Gemm
+    from atom_core.layers.quant import ExactTopLogits, QuantizedEmbedding, StreamingGroupGemm
 
     default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
     model = default.runner.model
-    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, StreamingInt4Gemm)
+    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, StreamingGroupGemm)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # the tied Q8_0 table, no float copy
 

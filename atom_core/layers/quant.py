@@ -239,34 +239,38 @@ class Int4PackGemm:
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class StreamingInt4Gemm:
-    """4-bit groups of 32 at decode row counts through Atom's own kernel, torch's beyond.
+class StreamingGroupGemm:
+    """4- or 8-bit groups of 32 at decode row counts through Atom's own kernel, torch's beyond.
 
-    `gemv_cpu.cpp`'s `q4_gemv` streams the weight (16 bytes a group plus float16 scale and
-    min, exact for GGUF Q4_0/Q4_1) and multiplies it with integer dot products (vpdpbusd)
-    against x split per group of 32 into two int8 parts (about 16 significant bits, more than
-    the bfloat16 activations torch's kernel takes). At 1-8 rows that is the bandwidth-bound
-    case torch's kernel serves slowly; more rows (prompt chunks) go to `Int4PackGemm`, which
-    keeps its own packed copy.
+    `gemv_cpu.cpp`'s `qgemv` streams the weight (16 or 32 bytes a group plus float16 scale
+    and min, exact for GGUF Q4_0/Q4_1/Q8_0) and multiplies it with integer dot products
+    (vpdpbusd) against x split per group of 32 into two int8 parts (about 16 significant
+    bits, more than the bfloat16 activations torch's kernel takes). At 1-8 rows that is the
+    bandwidth-bound case torch's kernel serves slowly; more rows (prompt chunks) go to
+    `Int4PackGemm`, which keeps its own packed copy.
     """
 
     def __init__(self, qw: QuantizedWeight, ops: Any):
         n, k = qw.shape
-        if qw.bits != 4 or qw.group_size != 32 or k % 32:
-            raise ValueError(f"the streaming 4-bit kernel takes 4-bit groups of 32, not {qw.format}")
+        if qw.group_size != 32 or k % 32:
+            raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
         self.ops, self.max_rows = ops, int(ops.MAX_ROWS)
         self.out_features, self.in_features = n, k
         q = qw.qweight.reshape(n, k // 32, 32)
-        self.qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
         self.scales = qw.scales.to(torch.float16).contiguous()
-        self.mins = (qw.zeros - 8 * qw.scales).to(torch.float16).contiguous()  # w = q * scale + min
+        if qw.bits == 4:  # byte j of a group: q_j | q_{j+16} << 4; w = q * scale + min
+            self.qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            self.mins = (qw.zeros - 8 * qw.scales).to(torch.float16).contiguous()
+        else:  # q + 128 as unsigned bytes; w = (q + 128) * scale - 128 * scale
+            self.qweight = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, k).contiguous()
+            self.mins = (-128 * self.scales.float()).to(torch.float16).contiguous()
         self.large = Int4PackGemm(qw)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a = x.reshape(-1, self.in_features)
         if a.shape[0] > self.max_rows or a.shape[0] == 0:
             return self.large(x)
-        out = self.ops.q4_gemv(a, self.qweight, self.scales, self.mins, None)
+        out = self.ops.qgemv(a, self.qweight, self.scales, self.mins, None)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -356,8 +360,8 @@ def pick_quantized_gemm(
         try:
             if qw.bits == 8 and qw.group_size == qw.shape[1]:
                 kernel = Int8PackGemm(qw)
-            elif qw.bits == 4 and qw.group_size == 32 and (ops := gemv_ops()) is not None:
-                kernel = StreamingInt4Gemm(qw, ops)
+            elif qw.group_size == 32 and (ops := gemv_ops()) is not None:
+                kernel = StreamingGroupGemm(qw, ops)
             else:
                 kernel = Int4PackGemm(qw)
             return quantized_linear, ExactTopLogits(kernel, qw) if exact_top else kernel

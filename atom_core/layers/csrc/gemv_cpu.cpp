@@ -190,11 +190,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }
 
 
-// ---- 4-bit groups of 32 (GGUF Q4_0/Q4_1, Config.quantization="int4") -----------------------
+// ---- 4- and 8-bit groups of 32 (GGUF Q4_0/Q4_1/Q8_0, Config.quantization int4/int8) ----------
 //
-// w = q * d + m per group of 32 along K (q in 0..15; m = zero - 8 * scale in quant.py's terms,
-// the group minimum for Q4_1), packed as 16 bytes a group, byte j = q_j | q_{j+16} << 4, with
-// d and m in float16 (exact for GGUF's Q4_0/Q4_1). Each group of x is split into two int8
+// w = q * d + m per group of 32 along K, d and m in float16 (exact for GGUF's Q4_0/Q4_1/Q8_0).
+// 4 bits: q in 0..15, m = zero - 8 * scale in quant.py's terms (the group minimum for Q4_1),
+// 16 bytes a group, byte j = q_j | q_{j+16} << 4. 8 bits: q + 128 in 0..255 stored as
+// unsigned bytes, m = -128 d. Each group of x is split into two int8
 // vectors, x = dx (hi + lo / 254) with dx = max|x| / 127 (about 16 significant bits, where
 // llama.cpp's single int8 vector keeps 8 and bfloat16 keeps 8), so a group's dot product is
 // two vpdpbusd on integers: sum(w x) = d dx (sum(q hi) + sum(q lo) / 254) + m sum(x), the
@@ -250,10 +251,17 @@ inline __m128 two_halves(const c10::Half* p) {  // p[0], p[1] as floats (lanes 0
 }
 inline __m128 two_floats(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
-template <int M>
-void q4_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d, const c10::Half* mn,
-             const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
-  const int64_t groups = K / 32, row_bytes = K / 2;
+// Two groups of weights as 64 unsigned bytes: 4-bit values unpacked, or 8-bit ones stored as q + 128.
+template <int BITS>
+inline __m512i load_two_groups(const uint8_t* row, int64_t g) {
+  if constexpr (BITS == 4) return unpack_two_groups(row + g * 16);
+  else return _mm512_loadu_si512(row + g * 32);
+}
+
+template <int M, int BITS>
+void qgemv_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d, const c10::Half* mn,
+                const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
+  const int64_t groups = K / 32, row_bytes = K * BITS / 8;
   const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const int8_t* xhi = xs.hi.data();
   const int8_t* xlo = xs.lo.data();
@@ -274,7 +282,7 @@ void q4_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d,
     }
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
-      const __m512i q = unpack_two_groups(wq + g * 16);
+      const __m512i q = load_two_groups<BITS>(wq, g);
       const __m128 dw = two_halves(dn + g), mw = two_halves(mnn + g);
       for (int m = 0; m < M; ++m) {
         const int64_t xg = m * groups + g;
@@ -288,9 +296,9 @@ void q4_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d,
     }
     float tail[M] = {};
     if (g < groups) {  // an odd group count: the last group alone
-      alignas(32) uint8_t bytes[32] = {};
-      std::memcpy(bytes, wq + g * 16, 16);
-      const __m256i q = _mm512_castsi512_si256(unpack_two_groups(bytes));
+      alignas(64) uint8_t bytes[64] = {};
+      std::memcpy(bytes, wq + g * BITS * 4, BITS * 4);
+      const __m256i q = _mm512_castsi512_si256(load_two_groups<BITS>(bytes, 0));
       const float dg = static_cast<float>(dn[g]), mg = static_cast<float>(mnn[g]);
       for (int m = 0; m < M; ++m) {
         const int64_t xg = m * groups + g;
@@ -311,16 +319,17 @@ void q4_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d,
   }
 }
 
-at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
-                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "q4_gemv takes x [M, K] on CPU");
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+                 const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "qgemv takes x [M, K] on CPU");
   const int64_t M = x.size(0), K = x.size(1), N = qw.size(0);
-  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "q4_gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
-  TORCH_CHECK(K % 32 == 0 && qw.size(1) * 2 == K && qw.scalar_type() == at::kByte && qw.is_contiguous(),
-              "q4_gemv weight must be [N, K / 2] uint8 (two 4-bit values a byte), K a multiple of 32");
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "qgemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  TORCH_CHECK(K % 32 == 0 && (qw.size(1) * 2 == K || qw.size(1) == K) && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "qgemv weight must be uint8 [N, K / 2] (4 bits, two a byte) or [N, K] (8 bits + 128), K a multiple of 32");
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
                   d.numel() == N * (K / 32) && mn.numel() == N * (K / 32),
-              "q4_gemv scales and mins must be float16 [N, K / 32]");
+              "qgemv scales and mins must be float16 [N, K / 32]");
+  const int bits = qw.size(1) == K ? 8 : 4;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   Q8Rows xs;
   quantize_rows(xf.data_ptr<float>(), M, K, xs);
@@ -333,16 +342,21 @@ at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const c10::Half* mp = mn.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: return q4_rows<1>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 2: return q4_rows<2>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 3: return q4_rows<3>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 4: return q4_rows<4>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 5: return q4_rows<5>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 6: return q4_rows<6>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 7: return q4_rows<7>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      case 8: return q4_rows<8>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-    }
+    auto run = [&](auto bits_tag) {
+      constexpr int B = decltype(bits_tag)::value;
+      switch (M) {
+        case 1: return qgemv_rows<1, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 2: return qgemv_rows<2, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 3: return qgemv_rows<3, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 4: return qgemv_rows<4, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 5: return qgemv_rows<5, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 6: return qgemv_rows<6, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 7: return qgemv_rows<7, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+        case 8: return qgemv_rows<8, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
+      }
+    };
+    if (bits == 4) run(std::integral_constant<int, 4>{});
+    else run(std::integral_constant<int, 8>{});
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -353,6 +367,6 @@ TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) { m.impl("gemv", &gemv); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, weight-streaming (CPU)");
-  m.def("q4_gemv", &q4_gemv, "y = x @ w.T (+ bias), w in 4-bit groups of 32 (q * d + m), 1 to 8 rows of x (CPU)");
+  m.def("qgemv", &qgemv, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m), 1 to 8 rows of x (CPU)");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }
