@@ -12,18 +12,15 @@ takes about 6 minutes on 2 cores; a `built` stamp written after success marks it
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gguf_convert import LLAMA_CPP_PYTHON_VERSION, _download_sdist, cache_dir  # noqa: E402
+from gguf_convert import LLAMA_CPP_PYTHON_VERSION, cache_dir, unpack_sdist  # noqa: E402
 
 TARGET = "llama-batched-bench"
 # Unneeded by the build and the bulk of the tree (vocabulary GGUFs, docs, images).
@@ -77,21 +74,8 @@ def _sources(root: Path, version: str) -> Path:
     src = root / "src"
     if (src / "CMakeLists.txt").is_file():
         return src
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="atom-llama-cpp-") as tmp:
-        _log(f"downloading the llama-cpp-python {version} sdist from PyPI")
-        sdist = _download_sdist(version, Path(tmp))
-        partial = root / f".src.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            _extract_llama_cpp(sdist, partial)
-            try:
-                os.rename(partial, src)  # atomic; another process may have finished first
-            except OSError:
-                if not (src / "CMakeLists.txt").is_file():
-                    raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    return src
+    _log(f"downloading the llama-cpp-python {version} sdist from PyPI")
+    return unpack_sdist(src, _extract_llama_cpp, version)
 
 
 def _extract_llama_cpp(sdist: Path, dest: Path) -> None:

@@ -21,6 +21,7 @@ import tarfile
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
 # Pinned: what the converter writes (tensor layout, metadata keys) changes between releases,
 # and the tests check Atom against one known writer. Bump it deliberately.
@@ -60,20 +61,29 @@ def converter_dir(cache: Path | None = None, version: str = LLAMA_CPP_PYTHON_VER
     root = (cache or cache_dir()) / "llama-cpp-converter" / version
     if (root / "convert_hf_to_gguf.py").is_file():
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
+    return unpack_sdist(root, _extract, version)
+
+
+def unpack_sdist(dest: Path, extract: Callable[[Path, Path], None], version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """`dest` filled by `extract(sdist, folder)` from the llama-cpp-python sdist, fetched from PyPI.
+
+    Extracted beside `dest` and renamed into place, so a reader never sees half a tree and
+    two processes racing both end with the complete one.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="atom-llama-cpp-") as tmp:
         sdist = _download_sdist(version, Path(tmp))
-        partial = root.parent / f".{version}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        partial = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            _extract(sdist, partial)
+            extract(sdist, partial)
             try:
-                os.rename(partial, root)  # atomic; another process may have finished first
+                os.rename(partial, dest)  # atomic; another process may have finished first
             except OSError:
-                if not (root / "convert_hf_to_gguf.py").is_file():
+                if not dest.is_dir():
                     raise
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    return root
+    return dest
 
 
 def _download_sdist(version: str, into: Path) -> Path:
