@@ -7,20 +7,22 @@ calls the GEMM kernels directly, so that per-op cost goes.
 
 Model-agnostic: nothing here or in a model plugin names a model. Each attention layer
 (every module with an `attn_type`, whatever builder serves it) runs as one opaque op,
-`atom::attention_layer`, because its kernel reads per-step metadata and writes the KV pool
-or per-request state in place; the op calls the layer's eager forward. What the op
-returns is declared by the layer's `out_features` ([tokens, out_features], the dtype of
-its first input). Everything else is traced. Layers' C++ elementwise kernels step aside
-while tracing (`torch.compiler.is_compiling()`), the streaming GEMV runs as the torch
-op `atom_gemv::gemv`.
+`atom::opaque_layer`, because its kernel reads per-step metadata and writes the KV pool
+or per-request state in place; the op calls the layer's eager forward. So does any other
+module that sets `compile_opaque = True` (the MoE experts, whose token grouping is
+data-dependent). What the op returns is declared by the module's `out_features` ([tokens,
+out_features], the dtype of its first input). Everything else is traced, as one graph
+(`fullgraph=True`): it is compiled whole before any layer of the step runs, so a failure
+never leaves a step half done. Layers' C++ elementwise kernels step aside while tracing
+(`torch.compiler.is_compiling()`), the streaming GEMV runs as the torch op `atom_gemv::gemv`.
 
 Steps of up to `MAX_TOKENS` tokens (decode rows, drafts, short chunks) take the compiled
 graph: one for a single token, one with a dynamic token count for the rest. Longer steps
-(prompt chunks) stay eager, where per-op cost is spread over many tokens. Where the path
-cannot apply (`Config.enforce_eager`, a device other than CPU or CUDA, an attention layer
-without `out_features`, a failure while compiling) the model runs eagerly, said once in
-the log. Graph breaks (an op Dynamo cannot trace, e.g. a MoE layer's C++ experts) keep
-the tokens right and only cost speed.
+(prompt chunks) stay eager, where per-op cost is spread over many tokens. `Config.enforce_eager`
+(the default: on this machine it measured no faster) keeps the plain model. Where the path
+cannot apply (a device other than CPU or CUDA, an opaque module without `out_features`, a
+model Dynamo cannot trace whole, a compiler failure) the model runs eagerly, said once in
+the log.
 """
 
 from __future__ import annotations
@@ -43,25 +45,25 @@ _layers: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictiona
 _next_key = itertools.count()
 
 
-@torch.library.custom_op("atom::attention_layer", mutates_args=())
-def attention_layer(inputs: list[torch.Tensor], key: int) -> torch.Tensor:
-    """One attention layer's eager forward (it writes the pool in place; nothing else reads it)."""
+@torch.library.custom_op("atom::opaque_layer", mutates_args=())
+def opaque_layer(inputs: list[torch.Tensor], key: int) -> torch.Tensor:
+    """One module's eager forward (an attention layer writes its pool in place; nothing else reads it)."""
     return _layers[key].eager_forward(*inputs)
 
 
-@attention_layer.register_fake
+@opaque_layer.register_fake
 def _(inputs: list[torch.Tensor], key: int) -> torch.Tensor:
     return inputs[0].new_empty((inputs[0].shape[0], _layers[key].out_features))
 
 
 def _opaque(module: nn.Module) -> None:
-    """Route `module`'s forward through `atom::attention_layer` (its own forward stays `eager_forward`)."""
+    """Route `module`'s forward through `atom::opaque_layer` (its own forward stays `eager_forward`)."""
     key = next(_next_key)
     _layers[key] = module
     module.eager_forward = module.forward
 
     def forward(*inputs: torch.Tensor) -> torch.Tensor:
-        return torch.ops.atom.attention_layer(list(inputs), key)
+        return torch.ops.atom.opaque_layer(list(inputs), key)
 
     module.forward = forward
 
@@ -88,18 +90,24 @@ class CompiledForward:
             return self.model(input_ids, positions)
 
 
-def compile_model(model: nn.Module, attn_layers: list[nn.Module], config: Any, device: torch.device) -> Callable:
+def opaque_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that run as one op in the compiled graph: attention layers and those that ask."""
+    return [m for m in model.modules() if getattr(m, "attn_type", None) or getattr(m, "compile_opaque", False)]
+
+
+def compile_model(model: nn.Module, config: Any, device: torch.device) -> Callable:
     """The forward the runner calls: compiled where it applies, else `model` itself (with one log line why)."""
-    why = None
     if config.enforce_eager:
         return model
+    why = None
+    opaque = opaque_modules(model)
     if device.type not in ("cpu", "cuda"):
         why = f"device {device.type!r} (compiled for cpu and cuda)"
-    elif missing := sorted({type(m).__name__ for m in attn_layers if not hasattr(m, "out_features")}):
+    elif missing := sorted({type(m).__name__ for m in opaque if not hasattr(m, "out_features")}):
         why = f"attention layers without `out_features`: {', '.join(missing)}"
     if why:
         logger.info("atom: compiled decode path off: %s; running eagerly", why)
         return model
-    for m in attn_layers:
+    for m in opaque:
         _opaque(m)
-    return CompiledForward(model, torch.compile(model, dynamic=False, fullgraph=False))
+    return CompiledForward(model, torch.compile(model, dynamic=False, fullgraph=True))

@@ -113,7 +113,7 @@ class ModelRunner:
         self.kv_cache_tensors: dict[str, torch.Tensor] = {}
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
-        self.run_model = compile_model(self.model, self.attn_layers, config, self.device)
+        self.run_model = compile_model(self.model, config, self.device)
         self.timings: dict[str, float] = defaultdict(float)
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:

@@ -77,6 +77,12 @@ class FusedMoE(nn.Module):
     """
 
     SHARD_PARAMS = {"gate": "w13", "up": "w13", "down": "w2"}
+    # One op in a compiled graph (atom_core/compile.py): grouping tokens by expert is data-dependent.
+    compile_opaque = True
+
+    @property
+    def out_features(self) -> int:
+        return self.hidden_size
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu"):
         super().__init__()
