@@ -319,16 +319,21 @@ def test_streaming_group_kernel_against_float64(bits):
         q = kernel.qweight if bits == 8 else qw.qweight
         q = q.reshape(n, k // 32, 32).double()
         w = (q * kernel.scales.double().unsqueeze(-1) + kernel.mins.double().unsqueeze(-1)).reshape(n, k)
-        for rows in range(1, 9):
+        for rows in range(1, 9):  # the op takes up to 8
             x = torch.randn(rows, k, generator=gen)
             ref = x.double() @ w.T
             # x is split into int8 hi and lo parts: about 16 bits of each group's largest value
             tol = 1e-4 * (x.double().abs().amax() * w.abs().sum(1).amax()) * (1 if bits == 4 else 16)
-            assert (kernel(x).double() - ref).abs().max() <= tol
+            out = kernel.ops.qgemv(x, kernel.qweight, kernel.scales, kernel.mins, None)
+            assert (out.double() - ref).abs().max() <= tol
+            if rows <= kernel.max_rows:  # the layer's route to it
+                assert torch.equal(kernel(x), out)
+        x = x[: kernel.max_rows]
         bias = torch.randn(n, generator=gen)
         out = quantized_linear(x, kernel, bias)
-        torch.testing.assert_close(out.double(), ref + bias.double(), atol=float(tol), rtol=0)
-        assert kernel(torch.randn(9, k)).shape == (9, n)  # more rows: torch's kernel
+        torch.testing.assert_close(out.double(), x.double() @ w.T + bias.double(), atol=float(tol), rtol=0)
+        more = torch.randn(kernel.max_rows + 1, k, generator=gen)  # torch's kernel: bfloat16 activations
+        torch.testing.assert_close(kernel(more), kernel.large(more))
 
 
 def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_path, caplog):

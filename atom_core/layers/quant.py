@@ -245,16 +245,20 @@ class StreamingGroupGemm:
     `gemv_cpu.cpp`'s `qgemv` streams the weight (16 or 32 bytes a group plus float16 scale
     and min, exact for GGUF Q4_0/Q4_1/Q8_0) and multiplies it with integer dot products
     (vpdpbusd) against x split per group of 32 into two int8 parts (about 16 significant
-    bits, more than the bfloat16 activations torch's kernel takes). At 1-8 rows that is the
-    bandwidth-bound case torch's kernel serves slowly; more rows (prompt chunks) go to
-    `Int4PackGemm`, which keeps its own packed copy.
+    bits, more than the bfloat16 activations torch's kernel takes). At 1-3 rows that is the
+    bandwidth-bound case torch's kernel serves slowly (SmolLM2's 4-bit layers: 4.2 against
+    5.3 ms a step at one row, even at two); from 4 rows torch's kernel is faster (7.1 against
+    8.8 ms at 4, 12.5 against 14.8 at 8), so more rows go to `Int4PackGemm`, which keeps its
+    own packed copy.
     """
+
+    MAX_ROWS = 3
 
     def __init__(self, qw: QuantizedWeight, ops: Any):
         n, k = qw.shape
         if qw.group_size != 32 or k % 32:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
-        self.ops, self.max_rows = ops, int(ops.MAX_ROWS)
+        self.ops, self.max_rows = ops, min(self.MAX_ROWS, int(ops.MAX_ROWS))
         self.out_features, self.in_features = n, k
         q = qw.qweight.reshape(n, k // 32, 32)
         self.scales = qw.scales.to(torch.float16).contiguous()
