@@ -22,6 +22,7 @@ from atom_core.attention import AttentionMetadataBuilder
 from atom_core.compile import compile_model
 from atom_core.config import Config
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
+from atom_core.layers.linear import batch_invariant_gemms
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
@@ -90,6 +91,8 @@ class ModelRunner:
         spec = config.speculative_config
         # A proposer with weights (a draft layer, an EAGLE head) builds them here; its
         # attention layers join the target's below and take KV from the same pool.
+        if spec:  # verify steps must round as plain decode steps do
+            batch_invariant_gemms(self.model)
         self.proposer: Proposer | None = get_registry("proposers", pm).get(spec.method)(self, spec) if spec else None
         self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
         draft_modules = self.proposer.draft_modules() if self.proposer else []

@@ -57,6 +57,32 @@ def test_ngram_greedy_equals_plain_greedy(llama, plain, k, policy):
     assert len(stats["accepted_per_position"]) == k
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_speculation_makes_every_gemm_batch_invariant(llama, quantization):
+    """Verify steps (k + 1 rows a request) must round as plain decode steps (1 row) do: with a
+    speculative config the streaming kernels' small-row fast path is off, so one kernel
+    serves every row count, and greedy tokens equal plain greedy under quantized weights too."""
+    from atom_core.layers.linear import Linear
+
+    def fast_paths(engine):
+        kernels = []
+        for m in engine.runner.model.modules():
+            if isinstance(m, Linear):
+                for kernel in (m.gemm, m.packed_weight, getattr(m.packed_weight, "kernel", None)):
+                    if hasattr(kernel, "max_rows"):
+                        kernels.append(kernel.max_rows)
+        return kernels
+
+    prompts = copy_heavy_prompts()
+    plain_tokens, plain_engine = generate(llama, prompts, quantization=quantization)
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    tokens, engine = generate(llama, prompts, quantization=quantization, speculative_config=spec)
+    assert fast_paths(plain_engine) and all(n > 0 for n in fast_paths(plain_engine))
+    assert fast_paths(engine) and all(n == 0 for n in fast_paths(engine))
+    assert tokens == plain_tokens
+    assert engine.get_spec_stats()["num_accepted_tokens"] > 0
+
+
 def test_ngram_under_preemption(llama, plain):
     spec = dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0)
     engine = LLMEngine(llama, dtype="float32", max_model_len=128, num_kvcache_blocks=12, speculative_config=spec)

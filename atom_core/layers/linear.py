@@ -90,6 +90,22 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch
     return F.linear, weight
 
 
+def batch_invariant_gemms(model: nn.Module) -> None:
+    """Give every Linear of `model` one kernel for every row count (the streaming kernels' 1-8
+    row fast path off), so a row's result does not depend on how many rows share its step.
+
+    Why: speculative decoding verifies a request's drafts in a step of k + 1 rows per
+    request, and promises the tokens plain decoding (1 row per request) would give; a
+    kernel that rounds differently at different row counts breaks that on near ties (at 4
+    bits the streaming kernel's activations keep 16 bits where torch's keep 8).
+    """
+    for m in model.modules():
+        if isinstance(m, Linear):
+            for kernel in (m.gemm, m.packed_weight, getattr(m.packed_weight, "kernel", None)):
+                if hasattr(kernel, "max_rows"):
+                    kernel.max_rows = 0
+
+
 class Linear(nn.Linear):
     gemm: Gemm = staticmethod(F.linear)
     packed_weight: Any = None  # set when `gemm` takes a repacked copy (or a quantized kernel)
