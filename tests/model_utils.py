@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 
 from atom_core import SamplingParams
@@ -244,6 +245,21 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0, **overrides):
     model.save_pretrained(folder, safe_serialization=True)
     return model
 
+
+
+GDN_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the hybrids with Gated DeltaNet layers
+
+
+def tiny_models(*archs: str):
+    """A module-scoped fixture, parametrised over `archs`: (folder, transformers model) of
+    each tiny random checkpoint, built once per test module."""
+
+    @pytest.fixture(scope="module", params=list(archs))
+    def tiny(request, tmp_path_factory):
+        folder = tmp_path_factory.mktemp(request.param)
+        return folder, build_tiny_model(request.param, folder)
+
+    return tiny
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])

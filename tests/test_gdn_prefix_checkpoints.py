@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
-from model_utils import build_tiny_model, cached_greedy, check_against_hf, random_prompts, run_with_logits  # noqa: E402
+from model_utils import GDN_ARCHS, cached_greedy, check_against_hf, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
 
 NEW = 8
@@ -25,10 +25,7 @@ BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    return folder, build_tiny_model(request.param, folder)
+tiny = tiny_models(*GDN_ARCHS)
 
 
 @pytest.fixture(scope="module")

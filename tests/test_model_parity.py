@@ -13,21 +13,18 @@ from model_utils import (  # noqa: E402
     NEW_TOKENS,
     assert_bf16_close,
     bf16_references,
-    build_tiny_model,
     check_against_hf,
     hf_greedy,
     random_prompts,
     run_with_logits,
+    tiny_models,
 )
 from conftest import record_preemptions  # noqa: E402
 
 PROMPT_LENS = (1, 15, 16, 17, 40)  # around the 16-token block edges
 
 
-@pytest.fixture(scope="module", params=sorted(n for n, s in ARCHS.items() if s.get("attention", "mha") == "mha"))
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    return folder, build_tiny_model(request.param, folder)
+tiny = tiny_models(*sorted(n for n, s in ARCHS.items() if s.get("attention", "mha") == "mha"))
 
 
 def test_batch_of_mixed_lengths_matches_transformers(tiny):

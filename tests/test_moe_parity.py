@@ -15,15 +15,12 @@ torch = pytest.importorskip("torch")
 
 import test_policy_parity as policy_parity  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
-from model_utils import build_tiny_model  # noqa: E402
+from model_utils import tiny_models  # noqa: E402
 
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    return folder, build_tiny_model(request.param, folder)
+tiny = tiny_models(*MOE_ARCHS)
 
 
 @pytest.mark.parametrize("policy", policy_parity.POLICIES)

@@ -14,17 +14,14 @@ torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
-from model_utils import build_tiny_model, check_against_hf, hf_greedy, random_prompts, run_with_logits  # noqa: E402
+from model_utils import check_against_hf, hf_greedy, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 
 POLICIES = ["prefill_first", "mixed", "spyre"]
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    return folder, build_tiny_model(request.param, folder)
+tiny = tiny_models("llama", "qwen3")
 
 
 def engine_for(folder, policy: str, **config) -> LLMEngine:
