@@ -19,7 +19,7 @@ from typing import Any
 import gguf
 from gguf import MODEL_TENSOR
 
-__all__ = ["GGUFArchitecture", "GGUFFile", "Joined"]
+__all__ = ["GGUFArchitecture", "GGUFFile", "Joined", "moe_tensors"]
 
 
 class GGUFFile:
@@ -104,3 +104,17 @@ class GGUFArchitecture:
     def for_file(self, file: GGUFFile) -> GGUFArchitecture:
         chosen = self.select(file) if self.select is not None else None
         return self if chosen is None else chosen.for_file(file)
+
+
+def moe_tensors(block: str, expert_names: Mapping[str, str]) -> dict[MODEL_TENSOR, str]:
+    """The router and the per-expert tensors of a MoE block at `model.layers.{bid}.<block>`,
+    as the hub names them: `expert_names` maps the hub's per-expert tensor names to "gate",
+    "up" and "down" (what `FusedMoE.checkpoint_mapping` takes)."""
+    hub = {shard: name for name, shard in expert_names.items()}
+    prefix = f"model.layers.{{bid}}.{block}"
+    return {
+        MODEL_TENSOR.FFN_GATE_INP: f"{prefix}.gate",
+        MODEL_TENSOR.FFN_GATE_EXP: f"{prefix}.experts.{{xid}}.{hub['gate']}",
+        MODEL_TENSOR.FFN_UP_EXP: f"{prefix}.experts.{{xid}}.{hub['up']}",
+        MODEL_TENSOR.FFN_DOWN_EXP: f"{prefix}.experts.{{xid}}.{hub['down']}",
+    }

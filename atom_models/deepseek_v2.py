@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, Joined
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, Joined, moe_tensors
 from atom_core.layers import (
     Linear,
     MergedLinear,
@@ -29,7 +29,7 @@ from atom_core.layers import (
     apply_rotary_interleaved,
 )
 from atom_core.layers.mla import MLAAttention
-from atom_core.layers.moe import FusedMoE, select_experts
+from atom_core.layers.moe import QWEN_EXPERT_NAMES, FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
 from atom_core.loader import SKIP, packed_target
 from atom_models.llama import LLAMA_GGUF_TENSORS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -284,15 +284,11 @@ DEEPSEEK_GGUF_TENSORS = {k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in
     T.ATTN_KV_A_MQA: "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
     T.ATTN_KV_A_NORM: "model.layers.{bid}.self_attn.kv_a_layernorm",
     T.ATTN_KV_B: "model.layers.{bid}.self_attn.kv_b_proj",  # files from before the k_b / v_b split
-    T.FFN_GATE_INP: "model.layers.{bid}.mlp.gate",
     T.FFN_EXP_PROBS_B: {"bias": "model.layers.{bid}.mlp.gate.e_score_correction_bias"},
-    T.FFN_GATE_EXP: "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
-    T.FFN_UP_EXP: "model.layers.{bid}.mlp.experts.{xid}.up_proj",
-    T.FFN_DOWN_EXP: "model.layers.{bid}.mlp.experts.{xid}.down_proj",
     T.FFN_GATE_SHEXP: "model.layers.{bid}.mlp.shared_experts.gate_proj",
     T.FFN_UP_SHEXP: "model.layers.{bid}.mlp.shared_experts.up_proj",
     T.FFN_DOWN_SHEXP: "model.layers.{bid}.mlp.shared_experts.down_proj",
-}
+} | moe_tensors("mlp", QWEN_EXPERT_NAMES)
 
 
 def _join_kv_b(config: dict, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import MODEL_TENSOR as T, Keys
+from gguf import Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_core.layers import FusedMoE
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
 from atom_models.llama import (
@@ -60,12 +60,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 # --- GGUF (atom_core/gguf_arch.py): written as "llama" with experts (GGUF_LLAMA picks this) ----
 
-MIXTRAL_GGUF_TENSORS = LLAMA_GGUF_TENSORS | {
-    T.FFN_GATE_INP: "model.layers.{bid}.block_sparse_moe.gate",
-    T.FFN_GATE_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
-    T.FFN_UP_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
-    T.FFN_DOWN_EXP: "model.layers.{bid}.block_sparse_moe.experts.{xid}.w2",
-}
+MIXTRAL_GGUF_TENSORS = LLAMA_GGUF_TENSORS | moe_tensors("block_sparse_moe", MIXTRAL_EXPERT_NAMES)
 
 
 def _gguf_config(file: GGUFFile, config: dict) -> dict:

@@ -8,8 +8,9 @@ from typing import Any
 from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
+from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_core.layers import FusedMoE
+from atom_core.layers.moe import QWEN_EXPERT_NAMES
 from atom_models.llama import LlamaMLP
 from atom_models.qwen3 import QWEN3_GGUF_TENSORS, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model, qwen3_gguf_config
 from atom_models.sparse_moe import SparseMoeBlock
@@ -49,12 +50,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 # --- GGUF (atom_core/gguf_arch.py): Qwen3 plus the router and the stacked experts -------------
 
-QWEN3_MOE_GGUF_TENSORS = QWEN3_GGUF_TENSORS | {
-    T.FFN_GATE_INP: "model.layers.{bid}.mlp.gate",
-    T.FFN_GATE_EXP: "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
-    T.FFN_UP_EXP: "model.layers.{bid}.mlp.experts.{xid}.up_proj",
-    T.FFN_DOWN_EXP: "model.layers.{bid}.mlp.experts.{xid}.down_proj",
-}
+QWEN3_MOE_GGUF_TENSORS = QWEN3_GGUF_TENSORS | moe_tensors("mlp", QWEN_EXPERT_NAMES)
 
 
 def _gguf_config(file: GGUFFile, config: dict) -> dict:
