@@ -104,7 +104,7 @@ def compile_model(model: nn.Module, config: Any, device: torch.device) -> Callab
     if device.type not in ("cpu", "cuda"):
         why = f"device {device.type!r} (compiled for cpu and cuda)"
     elif missing := sorted({type(m).__name__ for m in opaque if not hasattr(m, "out_features")}):
-        why = f"attention layers without `out_features`: {', '.join(missing)}"
+        why = f"opaque layers without `out_features`: {', '.join(missing)}"
     if why:
         logger.info("atom: compiled decode path off: %s; running eagerly", why)
         return model

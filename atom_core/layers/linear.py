@@ -10,8 +10,9 @@ the plain weight (a tied LM head leaves the embedding's alone). Other devices ke
 (`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
 
 At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, and oneDNN reads it at
-16-22 GB/s here; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads at 24-35 GB/s
-(float32) and 21-30 GB/s (bfloat16) of this machine's ~30 GB/s, on the plain weight, which
+14-21 GB/s here; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads at 25-30 GB/s
+(float32) and 22-25 GB/s (bfloat16) of this machine's ~30 GB/s copy bandwidth
+(`benchmarks/gemv_bandwidth.py`), on the plain weight, which
 is kept beside the packed one for it: float weights take twice their size in memory on CPU
 (ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every row count).
 """
@@ -68,6 +69,10 @@ class StreamingGemm:
             return self.ops.gemv(x, self.weight, bias)
         return _onednn_linear(x, packed, bias)
 
+    def make_batch_invariant(self) -> None:
+        """oneDNN at every row count; the plain copy goes."""
+        self.max_rows, self.weight = 0, None
+
 
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
@@ -100,10 +105,10 @@ def batch_invariant_gemms(model: nn.Module) -> None:
     bits the streaming kernel's activations keep 16 bits where torch's keep 8).
     """
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear):  # the kernel is the GEMM itself, or what it takes (an LM head's wraps one)
             for kernel in (m.gemm, m.packed_weight, getattr(m.packed_weight, "kernel", None)):
-                if hasattr(kernel, "max_rows"):
-                    kernel.max_rows = 0
+                if hasattr(kernel, "make_batch_invariant"):
+                    kernel.make_batch_invariant()
 
 
 class Linear(nn.Linear):

@@ -277,6 +277,10 @@ class StreamingGroupGemm:
         out = self.ops.qgemv(a, self.qweight, self.scales, self.mins, None)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def make_batch_invariant(self) -> None:
+        """torch's kernel at every row count; this kernel's copy goes."""
+        self.max_rows, self.qweight, self.scales, self.mins = 0, None, None, None
+
 
 class Int8PackGemm:
     """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel."""
