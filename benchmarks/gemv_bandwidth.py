@@ -22,9 +22,10 @@ from typing import Callable
 
 import torch
 
-from atom_core.layers.linear import _onednn_linear, gemv_ops
+from atom_core.layers.linear import PACK_ROWS, _onednn_linear, gemv_ops
 from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
 
+# SmolLM2's 30 layers: qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
 
 
@@ -51,7 +52,7 @@ def machine_bandwidth() -> str:
 def float_rows(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     ops = gemv_ops()
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}

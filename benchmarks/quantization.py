@@ -100,12 +100,17 @@ def answer(engine: LLMEngine) -> tuple[str, float, str, str]:
 def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     """ms for all of SmolLM2's layer GEMMs (30 layers, distinct weights: streamed from memory)
     and for its LM head, per weight format, random weights of the model's shapes."""
-    from atom_core.layers.linear import pick_gemm
+    from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
+
+    from atom_core.layers.linear import PACK_ROWS, _onednn_linear
     from atom_core.layers.quant import Int4PackGemm, Int8PackGemm, quantize_int4, quantize_int8
 
-    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    def onednn(w: torch.Tensor):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_ROWS)
+        return lambda x: _onednn_linear(x.bfloat16(), packed, None)
+
     formats = {
-        "bfloat16 (oneDNN)": lambda w: (lambda x, g=pick_gemm(w.bfloat16()): g[0](x.bfloat16(), g[1], None)),
+        "bfloat16 (oneDNN)": onednn,
         "int8 per channel": lambda w: Int8PackGemm(quantize_int8(w)),
         "int8 groups of 32": lambda w: Int4PackGemm(quantize_int8(w, 32)),
         "int4 groups of 32": lambda w: Int4PackGemm(quantize_int4(w, 32)),
