@@ -145,7 +145,10 @@ class ModelRunner:
         return module.eval()
 
     def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
-        """Keep the outputs of the named decoder layers each step (EAGLE-3 reads three of them)."""
+        """Keep the outputs of the named decoder layers each step (EAGLE-3 reads three of them).
+
+        A layer returns its output whole or, carrying the residual stream as vLLM's do, as a pair
+        (h, residual) whose sum it is; either way what is kept is the residual stream itself."""
         stacks = [m for name, m in self.model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
         if not stacks:
             raise ValueError(f"{type(self.model).__name__} has no `layers` ModuleList to read hidden states from")
@@ -154,7 +157,7 @@ class ModelRunner:
 
         def keep(slot: int):
             def hook(module, args, output):
-                store[slot] = output[0] if isinstance(output, tuple) else output
+                store[slot] = output[0] + output[1] if isinstance(output, tuple) else output
 
             return hook
 

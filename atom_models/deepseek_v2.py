@@ -256,7 +256,7 @@ class DeepseekMTP(nn.Module):
         embed, rotary = self._target
         x = self.eh_proj(torch.cat([self.enorm(embed(input_ids)), self.hnorm(hidden)], dim=-1))
         cos, sin = rotary(positions, x.dtype)
-        x = self.shared_head.norm(self.layer(x, cos, sin))
+        x, _ = self.shared_head.norm(*self.layer(x, None, cos, sin))  # the layer's last add, fused
         return x, x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -81,9 +81,19 @@ class LlamaDecoderLayer(nn.Module):
         """The feed-forward block of layer `layer_id` (MoE families return a sparse block here)."""
         return LlamaMLP.from_config(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is h + residual (h alone in the first layer, residual None), as in
+        vLLM: returns (the MLP's output, the stream before it), whose sum is the layer's output.
+        Each add runs inside the norm after it; h and residual are the layer loop's buffers,
+        which the fused add may overwrite."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,9 +115,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin)
+        h, _ = self.norm(h, residual)  # the last layer's add, fused into the final norm
+        return h
 
 
 class LlamaForCausalLM(nn.Module):

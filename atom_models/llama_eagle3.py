@@ -41,11 +41,16 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         # The residual is the hidden state as given (the published default) or once normed.
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual), whose sum is the layer's output (`LlamaDecoderLayer`'s contract)."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        h = residual + self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(torch.cat([self.input_layernorm(embeds), normed], dim=-1), cos, sin)
+        # residual + attn with attn as the buffer the fused add may overwrite: `hidden` is the caller's
+        h, residual = self.post_attention_layernorm(residual, attn)
+        return self.mlp(h), residual
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -119,8 +124,7 @@ class LlamaForCausalLMEagle3(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions, embeds.dtype)
-        prenorm = self.midlayer(embeds, hidden, cos, sin)
-        return self.norm(prenorm), prenorm
+        return self.norm(*self.midlayer(embeds, hidden, cos, sin))  # (normed, pre-norm): the last add fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary; `draft_id_to_target` maps their argmax."""

@@ -41,10 +41,17 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual): `RMSNorm`'s contract,
+        so the decoder layers carry the residual stream as Llama's do (no fused kernel here)."""
+        if residual is not None:
+            x = residual = residual + x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -222,13 +229,20 @@ class Qwen3NextDecoderLayer(nn.Module):
             return Qwen3NextSparseMoeBlock(cfg)
         return LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        if self.layer_type == "linear_attention":
-            h = h + self.linear_attn(x)
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaDecoderLayer.forward`'s contract: the stream is h + residual; returns (MLP output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
         else:
-            h = h + self.self_attn(x, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h, residual = self.input_layernorm(h, residual)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h)
+        else:
+            h = self.self_attn(h, cos, sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3NextModel(LlamaModel):

@@ -1,4 +1,4 @@
-"""The fused CPU kernels behind RMSNorm and rotary embedding against the torch path."""
+"""The fused CPU kernels (RMSNorm, add + RMSNorm, rotary embedding, SiLU-and-mul) against the torch path."""
 
 from __future__ import annotations
 
@@ -54,3 +54,64 @@ def test_rotary_matches_torch_on_a_strided_view(native, monkeypatch, dtype):
     ref = ops.apply_rotary(expected[:, : 12 * 64].view(23, 12, 64), cos, sin)
     torch.testing.assert_close(fused, ref, **tolerance(dtype))
     torch.testing.assert_close(qkv[:, 12 * 64 :], expected[:, 12 * 64 :], rtol=0, atol=0)  # v untouched
+
+
+def bits(t):
+    """The tensor's raw bits: exact equality that also tells -0.0 from 0.0."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+WIDTHS = [(1, 576), (1, 37), (3, 100), (16, 1536), (5, 1), (2, 4097)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", WIDTHS)
+def test_add_rms_norm_is_the_add_then_the_norm(native, monkeypatch, dtype, rows, n):
+    """Bit for bit `residual + x` and rms_norm of it, on the C++ path (sum written into the
+    residual's buffer) and the torch path; the C++ norm equals the plain C++ rms_norm."""
+    gen = torch.Generator().manual_seed(rows * n)
+    x, residual = ((torch.randn(2, rows, 2 * n, generator=gen) * 3)[..., :n]).to(dtype)  # strided x rows
+    residual = residual.contiguous()
+    before = residual.clone()
+    w = torch.randn(n, generator=gen).to(dtype)
+    expected_sum = residual + x
+    expected = ops.rms_norm(expected_sum, w, 1e-5)
+    buffer = residual.clone()
+    normed, summed = ops.add_rms_norm(x, buffer, w, 1e-5)
+    assert summed is buffer and torch.equal(bits(summed), bits(expected_sum))
+    assert torch.equal(bits(normed), bits(expected))
+    torch_path(monkeypatch)
+    normed, summed = ops.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(bits(summed), bits(expected_sum)) and torch.equal(bits(residual), bits(before))
+    assert torch.equal(bits(normed), bits(ops.rms_norm(expected_sum, w, 1e-5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", WIDTHS + [(1, 11008), (7, 33)])
+def test_silu_and_mul_is_torchs_bit_for_bit(native, dtype, rows, n):
+    """Equal to F.silu(gate) * up in every bit, a row's tail (past torch's whole vector pairs)
+    included, where torch's exp is std::exp and differs from the vector one in some last bits."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn(rows, 2 * n, generator=gen) * 6).to(dtype)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, 88.0, -104.0])  # signed zeros; exp overflow and underflow
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert rows <= ops.SILU_AND_MUL_NATIVE_ROWS and ops.torch_vector_bytes() is not None
+    got = ops.silu_and_mul(x)
+    assert got.shape == expected.shape and torch.equal(bits(got), bits(expected))
+    assert torch.equal(bits(native.silu_and_mul(x, ops.torch_vector_bytes())), bits(expected))
+
+
+def test_silu_and_mul_matches_torch_where_its_two_exps_disagree(native):
+    """torch's silu takes a row's whole vector pairs through Sleef's exp and the rest through
+    std::exp, which round a few float32 inputs in 1000 differently: put such inputs both in
+    the vector part and in the tail (d = 208: 192 + 16 on AVX-512, all 208 in pairs on AVX2)."""
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * 8
+    vector = torch.nn.functional.silu(g)  # contiguous, 4096 elements: all in whole vectors
+    scalar = torch.nn.functional.silu(torch.stack([g, g], dim=1)[:, 0])  # strided: all std::exp
+    odd = g[vector != scalar]
+    assert len(odd) >= 8
+    gate = odd[torch.arange(208) % len(odd)][None].repeat(3, 1)
+    x = torch.cat([gate, torch.randn(3, 208, generator=torch.Generator().manual_seed(8))], dim=1)
+    expected = torch.nn.functional.silu(x[:, :208]) * x[:, 208:]
+    assert torch.equal(bits(ops.silu_and_mul(x)), bits(expected))

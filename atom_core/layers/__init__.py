@@ -5,7 +5,7 @@ from atom_core.layers.linear import Linear, MergedLinear
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, register_router, select_experts
 from atom_core.layers.norm import RMSNorm
-from atom_core.layers.ops import apply_rotary, apply_rotary_interleaved, rms_norm, silu_and_mul
+from atom_core.layers.ops import add_rms_norm, apply_rotary, apply_rotary_interleaved, rms_norm, silu_and_mul
 from atom_core.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "MergedLinear",
     "RMSNorm",
     "RotaryEmbedding",
+    "add_rms_norm",
     "apply_rotary",
     "apply_rotary_interleaved",
     "get_rope",

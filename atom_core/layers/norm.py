@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_core.layers.ops import rms_norm
+from atom_core.layers.ops import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,5 +14,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, vLLM's fused add: (norm(x + residual), x + residual).
+
+        The add rides along in the norm's pass instead of costing an op of its own; the sum
+        may be written into `residual`'s buffer (see `ops.add_rms_norm`).
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

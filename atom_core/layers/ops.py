@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from atom_core.layers.cpp import load_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: elements below which torch's elementwise ops use one thread
 
 
 @functools.cache
@@ -26,23 +27,60 @@ def cpu_ops() -> ModuleType | None:
 
 def _native(x: torch.Tensor) -> ModuleType | None:
     """The C++ kernels for CPU tensors; not while `torch.compile` traces (it fuses the torch versions)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not x.is_cpu:
         return None
-    return cpu_ops() if x.device.type == "cpu" else None
+    return cpu_ops()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Statistics in float32, normalised value cast back before the weight (as transformers)."""
     ops = _native(x)
     if ops is not None and weight.dtype == x.dtype:
-        return ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return ops.rms_norm(x, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a residual add and the norm after it in one pass.
+
+    The sum rounds as `residual + x` does. On CPU it is written into `residual` (as vLLM's
+    fused_add_rms_norm): callers pass a residual stream buffer they own.
+    """
+    ops = _native(x)
+    if ops is not None and residual.dtype == x.dtype == weight.dtype and residual.is_contiguous():
+        return ops.add_rms_norm(x, residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+# Up to this many rows (decode batches) silu_and_mul runs the C++ kernel, where torch's three
+# ops cost more in dispatch than in arithmetic; prefill-sized inputs keep torch's kernels.
+SILU_AND_MUL_NATIVE_ROWS = 16
+
+
+@functools.cache
+def torch_vector_bytes() -> int | None:
+    """The vector width of the CPU kernels torch dispatches to, where the C++ silu_and_mul mirrors them."""
+    return {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] on the last dim -> silu(gate) * up (torch's own kernels beat a fused one here)."""
+    """x = [gate | up] on the last dim -> silu(gate) * up, bit for bit `F.silu(gate) * up`.
+
+    The C++ kernel rounds as torch's silu does on one thread (torch splits a tensor of
+    `GRAIN_SIZE` elements or more between threads mid-row, which moves its exp's vector/scalar
+    boundaries), so it takes smaller ones only.
+    """
+    ops = _native(x)
+    if ops is not None and x.dim() == 2 and x.shape[0] <= SILU_AND_MUL_NATIVE_ROWS and x.stride(1) == 1:
+        vector_bytes = torch_vector_bytes()
+        one_thread = x.numel() // 2 < GRAIN_SIZE or torch.get_num_threads() == 1
+        if vector_bytes is not None and one_thread:
+            return ops.silu_and_mul(x, vector_bytes)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one fewer [tokens, intermediate] temporary
 

@@ -3,13 +3,21 @@
 // temporary per op: 3x (RMSNorm) to 25x (rotary over a strided q/k view) slower over a
 // prefill's activations. Each kernel reads its input once and rounds where transformers
 // rounds (to the activation dtype after each product), so float32 results are those of
-// the torch path up to summation order. (A fused SiLU-and-mul measured slower than
-// torch's own vectorised silu times up, so that one stays in torch.)
+// the torch path up to summation order. add_rms_norm also does the residual add before
+// the norm (vLLM's fused_add_rms_norm). silu_and_mul serves decode-sized row counts, where
+// torch's three ops cost more in dispatch than in arithmetic; it calls the exp torch's silu
+// calls for each element, so it equals F.silu(gate) * up bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#include <sleef.h>  // shipped with torch; libtorch_cpu exports the functions its vector kernels call
+#endif
 
 #include "float_convert.h"
 
@@ -26,23 +34,43 @@ inline float round_through(float f) { return to_float(from_float<T>(f)); }
 // Rows per task so that a task holds ~16k elements: decode batches stay on one thread.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
+// dst = weight * round(row / rms(row)): one row of RMSNorm, the one loop both norms run.
+template <typename T>
+inline void rms_norm_row(const T* row, const T* wp, int64_t n, float eps, T* dst) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += to_float(row[i]) * to_float(row[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(wp[i]) * round_through<T>(to_float(row[i]) * inv));
+}
+
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), os = out.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * xs, wp, n, static_cast<float>(eps), op + r * os);
+  });
+}
+
+// residual += x (rounded to T, as torch's add), then out = rms_norm(residual).
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, at::Tensor& res, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = res.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* rp = res.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* row = xp + r * xs;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; ++i) ss += to_float(row[i]) * to_float(row[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + feps);
-      T* dst = op + r * os;
+      const T* a = xp + r * xs;
+      T* sum = rp + r * rs;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(wp[i]) * round_through<T>(to_float(row[i]) * inv));
+      for (int64_t i = 0; i < n; ++i) sum[i] = from_float<T>(to_float(a[i]) + to_float(sum[i]));
+      rms_norm_row(static_cast<const T*>(sum), wp, n, static_cast<float>(eps), op + r * os);
     }
   });
 }
@@ -74,6 +102,52 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// exp over kLanes floats in place, with the function torch's vectorised CPU kernels call
+// (Sleef's 1-ulp expf; its AVX2 and AVX-512 versions agree on every float).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+inline void exp_lanes(float* v) { _mm512_storeu_ps(v, Sleef_expf16_u10(_mm512_loadu_ps(v))); }
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+inline void exp_lanes(float* v) { _mm256_storeu_ps(v, Sleef_expf8_u10(_mm256_loadu_ps(v))); }
+#else
+constexpr int64_t kLanes = 0;
+inline void exp_lanes(float*) {}
+#endif
+
+// x: [rows, 2 * d] = [gate | up] -> out [rows, d] = silu(gate) * up, rounded as
+// F.silu(gate) * up: silu(g) = g / (1 + exp(-g)) in float32, rounded to T, then the product
+// of the two T values in float32, rounded to T. torch's silu (one thread) takes each row's
+// leading whole pairs of `vector_bytes` vectors through Sleef's exp and the rest through
+// std::exp, which differ in the last bit of a float now and then: so do we.
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, int64_t vector_bytes, at::Tensor& out) {
+  constexpr int64_t kBlock = 256;  // floats of exp(-gate) at a time, a multiple of kLanes
+  const int64_t rows = x.size(0), d = x.size(1) / 2, xs = x.stride(0), os = out.stride(0);
+  const int64_t pair = 2 * vector_bytes / static_cast<int64_t>(sizeof(T));
+  const int64_t vec_end = pair ? d / pair * pair : 0;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
+    alignas(64) float e[kBlock];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * xs;
+      const T* up = gate + d;
+      T* dst = op + r * os;
+      for (int64_t i = 0; i < d; i += kBlock) {
+        const int64_t m = std::min(kBlock, d - i), vec = std::clamp<int64_t>(vec_end - i, 0, m);
+#pragma omp simd
+        for (int64_t k = 0; k < m; ++k) e[k] = -to_float(gate[i + k]);
+        for (int64_t k = 0; k < vec; k += kLanes) exp_lanes(e + k);
+        for (int64_t k = vec; k < m; ++k) e[k] = std::exp(e[k]);
+#pragma omp simd
+        for (int64_t k = 0; k < m; ++k)
+          dst[i + k] = from_float<T>(round_through<T>(to_float(gate[i + k]) / (1.f + e[k])) * to_float(up[i + k]));
+      }
+    }
+  });
+}
+
 #define DISPATCH(dtype, name, ...)                                                         \
   switch (dtype) {                                                                         \
     case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                      \
@@ -87,14 +161,46 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " takes a [rows, n] tensor with contiguous rows");
 }
 
+// x as [rows, n], n its last dim: a view where one exists, else a copy (torch's reshape).
+// Done here rather than in Python, where a reshape and a view back cost more than the norm.
+at::Tensor as_rows(const at::Tensor& x) { return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}); }
+
+void check_weight(const at::Tensor& w, const at::Tensor& x, const char* name) {
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              name, " weight must be contiguous, of the input's width and dtype");
+}
+
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  const auto x = as_rows(input);
   check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm weight must be contiguous, of the input's width and dtype");
+  check_weight(weight, x, "rms_norm");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar_t>(x, weight, eps, out));
+  return input.dim() == 2 ? out : out.view(input.sizes());
+}
+
+// residual (contiguous, x's shape) += x; returns rms_norm(residual).
+at::Tensor add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const auto x = as_rows(input);
+  check_rows(x, "add_rms_norm");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == input.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm residual must be contiguous, of the input's shape and dtype");
+  check_weight(weight, x, "add_rms_norm");
+  auto res = residual.view({x.size(0), x.size(1)});
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  DISPATCH(x.scalar_type(), "add_rms_norm", add_rms_norm_impl<scalar_t>(x, res, weight, eps, out));
+  return input.dim() == 2 ? out : out.view(input.sizes());
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t vector_bytes) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul takes [rows, 2 * d]");
+  TORCH_CHECK(vector_bytes == 0 || (vector_bytes >= 32 && vector_bytes % 32 == 0 && kLanes > 0),
+              "silu_and_mul: vector_bytes must be 0, or 32 or 64 in a build with AVX2");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(x, vector_bytes, out));
   return out;
 }
 
@@ -112,5 +218,7 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32 statistics (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (residual updated in place; CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up, as torch's one-thread silu rounds (CPU)");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place (CPU)");
 }
