@@ -8,10 +8,11 @@ read-only sum, of 256 MiB).
 
 * float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on the plain weight against oneDNN's packed
   GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between.
-* 4-bit groups of 32 (GGUF Q4_1's layout): `qgemv` against `_weight_int4pack_mm_for_cpu`
+* 4-bit groups of 32 (GGUF Q4_1's layout): `qgemm` against `_weight_int4pack_mm_for_cpu`
   (bytes: the packed values plus a 16-bit scale and min per group, for both).
 
     .venv/bin/python benchmarks/gemv_bandwidth.py [--rows 1,2,3,4,8] [--threads 2] [--repeats 5]
+        [--weights float32,bfloat16,4bit]
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
-    for m in rows:
+    for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         mine = best_time([lambda w=w: ops.gemv(xs[w.shape[1]], w, None) for w in weights], repeats)
         onednn = best_time([lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)], repeats)
@@ -70,7 +71,7 @@ def int4_rows(rows: list[int], repeats: int) -> None:
     nbytes = sum(k.qweight.nbytes + k.scales.nbytes + k.mins.nbytes for k in mine)
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        a = best_time([lambda k=k: ops.qgemv(xs[k.in_features], k.qweight, k.scales, k.mins, None) for k in mine], repeats)
+        a = best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats)
         b = best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats)
         print(f"| 4-bit groups of 32 | {m} | {nbytes / a / 1e9:.1f} | {nbytes / b / 1e9:.1f} (torch int4) | {b / a:.2f}x |")
 
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--weights", default="float32,bfloat16,4bit", help="which of float32, bfloat16, 4bit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -87,9 +89,12 @@ def main() -> None:
         raise SystemExit("the C++ kernels did not build (see the warning above)")
     print(f"{args.threads} threads; this machine: {machine_bandwidth()}")
     print("| weights | rows | Atom's streaming kernel (GB/s) | peer (GB/s) | Atom / peer |\n|---|---|---|---|---|")
+    kinds = args.weights.split(",")
     for dtype in (torch.float32, torch.bfloat16):
-        float_rows(dtype, rows, args.repeats)
-    int4_rows(rows, args.repeats)
+        if str(dtype).removeprefix("torch.") in kinds:
+            float_rows(dtype, rows, args.repeats)
+    if "4bit" in kinds:
+        int4_rows(rows, args.repeats)
 
 
 if __name__ == "__main__":

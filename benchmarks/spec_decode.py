@@ -10,11 +10,12 @@ Two workloads through the chat template, greedy, each request ending at its own 
 Each runs at batch 1 (requests one after another) and batch 8 (eight at once). Both
 engines are loaded side by side and measured alternately; each figure is the best of
 `--rounds`. tokens/s counts generated tokens over wall time, prefill included. The
-greedy tokens of both engines are compared request by request ("same tokens"): they agree
-except where the kernels differ at a near tie. A speculative engine runs one GEMM kernel
-at every row count (`linear.batch_invariant_gemms`), so drafting never changes its own
-tokens; the plain engine takes the streaming kernels at 1-3 rows (4-bit weights: 16-bit
-activations there, bfloat16 in torch's kernel), so the two can part at a near tie.
+greedy tokens of both engines are compared request by request ("same tokens"). A
+speculative engine runs one GEMM kernel at every row count (`linear.batch_invariant_gemms`),
+so drafting never changes its tokens. With quantized groups of 32 (the default model) that
+kernel is the one plain decoding uses too, so the two engines agree token for token; with
+float weights the plain engine's 1-8 row kernel rounds differently from oneDNN, and the two
+can part at a near tie.
 
     .venv/bin/python benchmarks/spec_decode.py [--k 4] [--dtype float32|bfloat16]
         [--quantization auto|none|int8|int4] [--max-tokens 128] [--rounds 2] [--threads 2]

@@ -265,10 +265,9 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     ref = last_logits(LLMEngine(folder, quantization="none", **kw), PROMPTS)
     model = engine.runner.model
     layer = model.model.layers[0]
-    # groups of 32 stream through Atom's kernel at decode rows, torch's int4 kernel for prompts
-    # (8-bit groups as two 4-bit halves there)
+    # groups of 32 stream through Atom's kernel at every row count
     kernel = layer.self_attn.qkv_proj.packed_weight
-    assert isinstance(kernel, StreamingGroupGemm) and kernel.large.doubled is (qtype == Q.Q8_0)
+    assert isinstance(kernel, StreamingGroupGemm) and kernel.bits == (8 if qtype == Q.Q8_0 else 4)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding) is tied
     out = last_logits(engine, PROMPTS)
@@ -316,24 +315,30 @@ def test_streaming_group_kernel_against_float64(bits):
         w = torch.randn(n, k, generator=gen) * 0.05
         qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w, 32)
         kernel = StreamingGroupGemm(qw, gemv_ops())
-        q = kernel.qweight if bits == 8 else qw.qweight
-        q = q.reshape(n, k // 32, 32).double()
-        w = (q * kernel.scales.double().unsqueeze(-1) + kernel.mins.double().unsqueeze(-1)).reshape(n, k)
-        for rows in range(1, 9):  # the op takes up to 8
+        q = qw.qweight.reshape(n, k // 32, 32).double() + (128 if bits == 8 else 0)
+        scales = qw.scales.half().double()  # the kernel's float16 scale and min per group
+        mins = (qw.zeros - 8 * qw.scales).half().double() if bits == 4 else (-128 * scales).half().double()
+        w = (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(n, k)
+        for rows in [*range(1, 10), 17, 64]:  # the op takes any number, 8 at a time
             x = torch.randn(rows, k, generator=gen)
             ref = x.double() @ w.T
-            # x is split into int8 hi and lo parts: about 16 bits of each group's largest value
+            # x is rounded to int16 per group: about 16 bits of each group's largest value
             tol = 1e-4 * (x.double().abs().amax() * w.abs().sum(1).amax()) * (1 if bits == 4 else 16)
-            out = kernel.ops.qgemv(x, kernel.qweight, kernel.scales, kernel.mins, None)
+            out = kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, n, None)
             assert (out.double() - ref).abs().max() <= tol
-            if rows <= kernel.max_rows:  # the layer's route to it
-                assert torch.equal(kernel(x), out)
-        x = x[: kernel.max_rows]
+            # batch-invariant: each row alone gives its row of the batch, bit for bit
+            assert torch.equal(kernel(x[-1:]), out[-1:])
+            assert torch.equal(kernel(x), out)  # the layer's route to it
+            xb = x.bfloat16()  # bfloat16 activations: the same arithmetic, the output rounded once
+            outb = kernel(xb)
+            refb = kernel(xb.float())
+            assert outb.dtype == torch.bfloat16 and torch.equal(outb, refb.bfloat16())
         bias = torch.randn(n, generator=gen)
         out = quantized_linear(x, kernel, bias)
         torch.testing.assert_close(out.double(), x.double() @ w.T + bias.double(), atol=float(tol), rtol=0)
-        more = torch.randn(kernel.max_rows + 1, k, generator=gen)  # torch's kernel: bfloat16 activations
-        torch.testing.assert_close(kernel(more), kernel.large(more))
+        with_bias = kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, n, bias)
+        torch.testing.assert_close(with_bias.double(), x.double() @ w.T + bias.double(), atol=float(tol), rtol=0)
+        assert kernel(x[:0]).shape == (0, n)
 
 
 def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_path, caplog):
@@ -358,8 +363,8 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
     layer = engine.runner.model.model.layers[0]
     assert not isinstance(layer.mlp.down_proj.packed_weight, (Int4PackGemm, Int8PackGemm))  # F16: a float weight
     assert isinstance(layer.self_attn.o_proj.packed_weight, StreamingGroupGemm)  # Q4_0 kept
-    assert layer.mlp.gate_up_proj.packed_weight.large.doubled  # Q5_1 -> 8-bit groups of 32
-    assert layer.self_attn.qkv_proj.packed_weight.large.doubled
+    assert layer.mlp.gate_up_proj.packed_weight.bits == 8  # Q5_1 -> 8-bit groups of 32
+    assert layer.self_attn.qkv_proj.packed_weight.bits == 8
     ref = last_logits(LLMEngine(folder, quantization="none", dtype="float32", num_kvcache_blocks=32,
                                 max_model_len=128), PROMPTS)  # fmt: skip
     out = last_logits(engine, PROMPTS)
@@ -392,15 +397,15 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
     model = engine.runner.model
     body = model.model.layers[1].mlp.down_proj.packed_weight
     if mode == "int8":
-        assert isinstance(body, StreamingGroupGemm) and body.large.doubled  # 8-bit groups: two 4-bit halves
+        assert isinstance(body, StreamingGroupGemm) and body.bits == 8
     else:
-        assert isinstance(body, StreamingGroupGemm) and not body.large.doubled
+        assert isinstance(body, StreamingGroupGemm) and body.bits == 4
     if head_bits is None:
         assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
         assert not isinstance(model.lm_head.packed_weight, ExactTopLogits)
     else:
         head_kernel = model.lm_head.packed_weight.kernel
-        assert isinstance(head_kernel, StreamingGroupGemm) and head_kernel.large.doubled is (head_bits == 8)
+        assert isinstance(head_kernel, StreamingGroupGemm) and head_kernel.bits == head_bits
         assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # tied: rows from the head's weight
     ref = last_logits(LLMEngine(folder, **kw), PROMPTS)  # F32 file under "auto": as it is
     out = last_logits(engine, PROMPTS)

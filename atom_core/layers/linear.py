@@ -73,6 +73,10 @@ class StreamingGemm:
         """oneDNN at every row count; the plain copy goes."""
         self.max_rows, self.weight = 0, None
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self.max_rows == 0
+
 
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
@@ -96,13 +100,15 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch
 
 
 def batch_invariant_gemms(model: nn.Module) -> None:
-    """Give every Linear of `model` one kernel for every row count (the streaming kernels' 1-8
-    row fast path off), so a row's result does not depend on how many rows share its step.
+    """Give every Linear of `model` one kernel for every row count, so a row's result does not
+    depend on how many rows share its step (float weights: oneDNN at every row count, the
+    streaming kernel's 1-8 row path off; 4- and 8-bit groups: the streaming kernel at every
+    row count, which rounds each row alike).
 
     Why: speculative decoding verifies a request's drafts in a step of k + 1 rows per
     request, and promises the tokens plain decoding (1 row per request) would give; a
     kernel that rounds differently at different row counts breaks that on near ties (at 4
-    bits the streaming kernel's activations keep 16 bits where torch's keep 8).
+    bits torch's kernel keeps 8 bits of the activations where the streaming kernel keeps 16).
     """
     for m in model.modules():
         if isinstance(m, Linear):  # the kernel is the GEMM itself, or what it takes (an LM head's wraps one)

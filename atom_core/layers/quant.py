@@ -240,46 +240,57 @@ class Int4PackGemm:
 
 
 class StreamingGroupGemm:
-    """4- or 8-bit groups of 32 at decode row counts through Atom's own kernel, torch's beyond.
+    """4- or 8-bit groups of 32 through Atom's own kernel (`gemv_cpu.cpp`'s `qgemm`).
 
-    `gemv_cpu.cpp`'s `qgemv` streams the weight (16 or 32 bytes a group plus float16 scale
-    and min, exact for GGUF Q4_0/Q4_1/Q8_0) and multiplies it with integer dot products
-    (vpdpbusd) against x split per group of 32 into two int8 parts (about 16 significant
-    bits, more than the bfloat16 activations torch's kernel takes). At 1-3 rows that is the
-    bandwidth-bound case torch's kernel serves slowly (SmolLM2's 4-bit layers: 4.2 against
-    5.3 ms a step at one row, even at two); from 4 rows torch's kernel is faster (7.1 against
-    8.8 ms at 4, 12.5 against 14.8 at 8), so more rows go to `Int4PackGemm`, which keeps its
-    own packed copy.
+    The weight is repacked in tiles of 16 output columns (see the kernel's comment) with
+    float16 scale and min per group, exact for GGUF Q4_0/Q4_1/Q8_0, and multiplied with
+    integer dot products (vpdpwssd) against x rounded per group of 32 to int16: about 16
+    significant bits, where torch's int4 kernel takes bfloat16 (8). It serves every row
+    count and computes each row alike whatever the count, so it is batch-invariant by
+    construction (speculative decoding's verify rows round as plain decode rows do), and
+    one copy of the weights serves decode and prefill.
     """
 
-    MAX_ROWS = 3
+    batch_invariant = True
+    TILE = 16
 
     def __init__(self, qw: QuantizedWeight, ops: Any):
         n, k = qw.shape
         if qw.group_size != 32 or k % 32:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
-        self.ops, self.max_rows = ops, min(self.MAX_ROWS, int(ops.MAX_ROWS))
+        self.ops, self.bits = ops, qw.bits
         self.out_features, self.in_features = n, k
-        q = qw.qweight.reshape(n, k // 32, 32)
-        self.scales = qw.scales.to(torch.float16).contiguous()
-        if qw.bits == 4:  # byte j of a group: q_j | q_{j+16} << 4; w = q * scale + min
-            self.qweight = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-            self.mins = (qw.zeros - 8 * qw.scales).to(torch.float16).contiguous()
-        else:  # q + 128 as unsigned bytes; w = (q + 128) * scale - 128 * scale
-            self.qweight = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, k).contiguous()
-            self.mins = (-128 * self.scales.float()).to(torch.float16).contiguous()
-        self.large = Int4PackGemm(qw)
+        scales = qw.scales.to(torch.float16)
+        if qw.bits == 4:  # w = q * scale + min, q in 0..15
+            q, mins = qw.qweight.to(torch.uint8), (qw.zeros - 8 * qw.scales).to(torch.float16)
+        else:  # q + 128 in 0..255, min -128 scale
+            q, mins = (qw.qweight.to(torch.int16) + 128).to(torch.uint8), (-128 * scales.float()).to(torch.float16)
+        self.qweight, self.scales, self.mins = self.pack(q, scales, mins, qw.bits)
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+        """q [N, K] (unsigned), scales and mins [N, K / 32] -> the kernel's tiles of 16 columns.
+
+        Per tile and group, lane c of vector p holds column c's values at k = 2p, 2p + 1; at 4
+        bits vectors 4j .. 4j + 3 share 64 bytes, their values at lane i in the nibbles of
+        int16 i (vector 4j lowest).
+        """
+        n, k = q.shape
+        g, pad = k // 32, -n % cls.TILE
+        q, scales, mins = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, mins))  # zero columns
+        t = (n + pad) // cls.TILE
+        if bits == 4:  # k = 8 j + 2 h + i: int16 (j, 2 c + i) = sum over h of q[c][8j + 2h + i] << 4h
+            v = q.reshape(t, cls.TILE, g, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).to(torch.int32)
+            lanes = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
+            packed = lanes.to(torch.int16).view(torch.uint8)  # little-endian bytes, wrapped past 2^15
+        else:  # k = 2 p + i: byte (p, 2 c + i) = q[c][2p + i]
+            packed = q.reshape(t, cls.TILE, g, 16, 2).permute(0, 2, 3, 1, 4)
+        per_group = lambda x: x.reshape(t, cls.TILE, g).transpose(1, 2).contiguous()  # noqa: E731
+        return packed.reshape(t, g, -1).contiguous(), per_group(scales), per_group(mins)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        a = x.reshape(-1, self.in_features)
-        if a.shape[0] > self.max_rows or a.shape[0] == 0:
-            return self.large(x)
-        out = self.ops.qgemv(a, self.qweight, self.scales, self.mins, None)
+        out = self.ops.qgemm(x.reshape(-1, self.in_features), self.qweight, self.scales, self.mins, self.out_features, None)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def make_batch_invariant(self) -> None:
-        """torch's kernel at every row count; this kernel's copy goes."""
-        self.max_rows, self.qweight, self.scales, self.mins = 0, None, None, None
 
 
 class Int8PackGemm:

@@ -193,172 +193,182 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // ---- 4- and 8-bit groups of 32 (GGUF Q4_0/Q4_1/Q8_0, Config.quantization int4/int8) ----------
 //
 // w = q * d + m per group of 32 along K, d and m in float16 (exact for GGUF's Q4_0/Q4_1/Q8_0).
-// 4 bits: q in 0..15, m = zero - 8 * scale in quant.py's terms (the group minimum for Q4_1),
-// 16 bytes a group, byte j = q_j | q_{j+16} << 4. 8 bits: q + 128 in 0..255 stored as
-// unsigned bytes, m = -128 d. Each group of x is split into two int8
-// vectors, x = dx (hi + lo / 254) with dx = max|x| / 127 (about 16 significant bits, where
-// llama.cpp's single int8 vector keeps 8 and bfloat16 keeps 8), so a group's dot product is
-// two vpdpbusd on integers: sum(w x) = d dx (sum(q hi) + sum(q lo) / 254) + m sum(x), the
-// sum of x taken exactly in float32.
+// 4 bits: q in 0..15, m = zero - 8 * scale in quant.py's terms (the group minimum for Q4_1).
+// 8 bits: q + 128 in 0..255, m = -128 d.
+//
+// Each row of x becomes int16 values per group of 32, x = dx q16 with dx = max|x| / 32767
+// (about 16 significant bits, where llama.cpp's int8 vector keeps 8 and bfloat16 keeps 8).
+// The weight is packed in tiles of 16 output columns (quant.py's `StreamingGroupGemm`): for
+// each tile and group, 16 vectors W_p (p = 0..15), lane c of W_p holding column c's two
+// values at k = 2p, 2p + 1 as int16 pairs. One vpdpwssd of W_p against the broadcast pair
+// (x_2p, x_2p+1) adds 32 products into the 16 columns' int32 sums, so a group takes 16 of
+// them per row (exact integers), then one conversion and two fused multiply-adds add
+// d dx sum(q q16) + m sum(x) to the 16 columns' float sums. No horizontal reductions, and
+// each unpacked W_p serves up to 8 rows of x. 4 bits: a tile-group is 256 bytes, 64 for
+// each W_4j .. W_4j+3, whose values at lane i sit in the four nibbles of int16 i (one and
+// or shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
+//
+// Every output is computed by the same instructions in the same order whatever the number
+// of rows M and wherever the row sits in the batch (integer sums are exact, the float ones
+// go group by group): the kernel is batch-invariant, which is what speculative decoding's
+// verify step needs.
 
-// x per group of 32: int8 hi and lo parts, scales and exact float sums, M rows back to back.
-struct Q8Rows {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> scale, sum;
+constexpr int64_t QROWS = 8;  // rows of x each unpacked weight vector serves
+constexpr int64_t PREFETCH_GROUPS = 32;  // how far ahead in a tile's stream (8 KiB at 4 bits)
+
+// x as int16 per group of 32, with dx and the float32 sum of each group.
+struct Q16Rows {
+  std::vector<int16_t> q;  // [M][K]
+  std::vector<float> scale, sum;  // [M][K / 32]
 };
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out) {
+inline __m512 load16_as_float(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_as_float(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
   const int64_t groups = M * K / 32;
-  out.hi.resize(M * K);
-  out.lo.resize(M * K);
-  out.scale.resize(groups + 2);  // read in pairs: room for a padding pair
-  out.sum.resize(groups + 2);
+  out.q.resize(M * K);
+  out.scale.resize(groups);
+  out.sum.resize(groups);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
-    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(b)));
-    const float d = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(d > 0.f ? 127.f / amax : 0.f);
-    const __m512 sa = _mm512_mul_ps(a, inv), sb = _mm512_mul_ps(b, inv);
-    const __m512 ha = _mm512_roundscale_ps(sa, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 hb = _mm512_roundscale_ps(sb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 k254 = _mm512_set1_ps(254.f);  // the remainder, in -0.5..0.5, in 254ths
-    const __m512i la = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sa, ha), k254));
-    const __m512i lb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sb, hb), k254));
-    int8_t* hi = out.hi.data() + g * 32;
-    int8_t* lo = out.lo.data() + g * 32;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(ha)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hb)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(la));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtsepi32_epi8(lb));
-    out.scale[g] = d / 254.f;  // what 254 hi + lo is worth
+    const __m512 a = load16_as_float(x + g * 32), b = load16_as_float(x + g * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    int16_t* q = out.q.data() + g * 32;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+    out.scale[g] = amax / 32767.f;
     out.sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   }
 }
 
-// 32 packed bytes (two groups) -> 64 values 0..15 in group order.
-inline __m512i unpack_two_groups(const uint8_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i lo_mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(raw, lo_mask);                         // q_j of each group
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo_mask);   // q_{j+16}
-  // per 128-bit lane: [lo | hi] of one group
-  const __m256i g0 = _mm256_permute2x128_si256(lo, hi, 0x20), g1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1);
-}
-
-inline __m128 two_halves(const c10::Half* p) {  // p[0], p[1] as floats (lanes 0, 1)
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(p)));
-}
-inline __m128 two_floats(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-
-// Two groups of weights as 64 unsigned bytes: 4-bit values unpacked, or 8-bit ones stored as q + 128.
+// W_4j .. W_4j+3 of a tile-group.
 template <int BITS>
-inline __m512i load_two_groups(const uint8_t* row, int64_t g) {
-  if constexpr (BITS == 4) return unpack_two_groups(row + g * 16);
-  else return _mm512_loadu_si512(row + g * 32);
-}
-
-template <int M, int BITS>
-void qgemv_rows(const Q8Rows& xs, int64_t K, const uint8_t* qw, const c10::Half* d, const c10::Half* mn,
-                const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
-  const int64_t groups = K / 32, row_bytes = K * BITS / 8;
-  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const int8_t* xhi = xs.hi.data();
-  const int8_t* xlo = xs.lo.data();
-  const __m512 k254 = _mm512_set1_ps(254.f);
-  const float* xscale = xs.scale.data();
-  const float* xsum = xs.sum.data();
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* wq = qw + n * row_bytes;
-    const c10::Half* dn = d + n * groups;
-    const c10::Half* mnn = mn + n * groups;
-    for (int64_t off = 0; off < row_bytes; off += 64)  // a few rows ahead: rows are short streams
-      _mm_prefetch(reinterpret_cast<const char*>(wq + 4 * row_bytes + off), _MM_HINT_T1);
-    __m512 acc[M];
-    __m128 zacc[M];  // sum over groups of m_g * sum(x_g), two groups a lane pair
-    for (int m = 0; m < M; ++m) {
-      acc[m] = _mm512_setzero_ps();
-      zacc[m] = _mm_setzero_ps();
-    }
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      const __m512i q = load_two_groups<BITS>(wq, g);
-      const __m128 dw = two_halves(dn + g), mw = two_halves(mnn + g);
-      for (int m = 0; m < M; ++m) {
-        const int64_t xg = m * groups + g;
-        const __m512i dhi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xhi + xg * 32));
-        const __m512i dlo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xlo + xg * 32));
-        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), k254, _mm512_cvtepi32_ps(dlo));  // 254 x
-        const __m128 sc = _mm_mul_ps(dw, two_floats(xscale + xg));
-        acc[m] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc)), acc[m]);
-        zacc[m] = _mm_fmadd_ps(mw, two_floats(xsum + xg), zacc[m]);
-      }
-    }
-    float tail[M] = {};
-    if (g < groups) {  // an odd group count: the last group alone
-      alignas(64) uint8_t bytes[64] = {};
-      std::memcpy(bytes, wq + g * BITS * 4, BITS * 4);
-      const __m256i q = _mm512_castsi512_si256(load_two_groups<BITS>(bytes, 0));
-      const float dg = static_cast<float>(dn[g]), mg = static_cast<float>(mnn[g]);
-      for (int m = 0; m < M; ++m) {
-        const int64_t xg = m * groups + g;
-        const __m256i h8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xhi + xg * 32));
-        const __m256i l8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + xg * 32));
-        alignas(32) int32_t lanes[2][8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, h8));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, l8));
-        int32_t th = 0, tl = 0;
-        for (int i = 0; i < 8; ++i) th += lanes[0][i], tl += lanes[1][i];
-        tail[m] = dg * xscale[xg] * (254.f * static_cast<float>(th) + static_cast<float>(tl)) + mg * xsum[xg];
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m128 z = _mm_add_ps(zacc[m], _mm_movehdup_ps(zacc[m]));  // lane 0: both groups' terms
-      y[m * N + n] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(z) + tail[m] + (bias ? bias[n] : 0.f);
-    }
+inline void load_w(const uint8_t* tg, int j, __m512i (&w)[4]) {
+  if constexpr (BITS == 4) {  // int16 lane i: the four vectors' values in its four nibbles
+    const __m512i v = _mm512_loadu_si512(tg + j * 64), mask = _mm512_set1_epi16(0x0F);
+    w[0] = _mm512_and_si512(v, mask);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), mask);
+    w[3] = _mm512_srli_epi16(v, 12);
+  } else {
+    for (int h = 0; h < 4; ++h)
+      w[h] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + (4 * j + h) * 32)));
   }
 }
 
-at::Tensor qgemv(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+// Columns [16 t, 16 t + cols) for rows m0 .. m0 + MB of x.
+template <int MB, int BITS, typename T>
+void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+                const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
+  constexpr int64_t GROUP_BYTES = BITS * 64;  // 16 columns x 32 values
+  const int64_t groups = K / 32;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* tg = wt + g * GROUP_BYTES;
+    for (int64_t off = 0; off < GROUP_BYTES; off += 64)  // a few groups ahead: the tile is one stream
+      _mm_prefetch(reinterpret_cast<const char*>(tg + PREFETCH_GROUPS * GROUP_BYTES + off), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(dt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(mt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
+    __m512i even[MB], odd[MB];  // two chains of integer sums a row: exact, so their split is free
+    for (int m = 0; m < MB; ++m) even[m] = odd[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i w[4];
+      load_w<BITS>(tg, j, w);
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* xp = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + m) * K + g * 32) + 4 * j;
+        even[m] = _mm512_dpwssd_epi32(even[m], w[0], _mm512_set1_epi32(xp[0]));
+        odd[m] = _mm512_dpwssd_epi32(odd[m], w[1], _mm512_set1_epi32(xp[1]));
+        even[m] = _mm512_dpwssd_epi32(even[m], w[2], _mm512_set1_epi32(xp[2]));
+        odd[m] = _mm512_dpwssd_epi32(odd[m], w[3], _mm512_set1_epi32(xp[3]));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + g * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + g * 16)));
+    for (int m = 0; m < MB; ++m) {
+      const int64_t xg = (m0 + m) * groups + g;
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[m], odd[m]));
+      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xs.scale[xg])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs.sum[xg]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[m]);
+    T* row = y + (m0 + m) * N + n0;
+    for (int c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+  }
+}
+
+template <int BITS, typename T>
+void qgemm_block(int MB, const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
+  switch (MB) {
+    case 1: return qgemm_tile<1, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 2: return qgemm_tile<2, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 3: return qgemm_tile<3, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 4: return qgemm_tile<4, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 5: return qgemm_tile<5, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 6: return qgemm_tile<6, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 7: return qgemm_tile<7, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    default: return qgemm_tile<8, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+  }
+}
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "qgemv takes x [M, K] on CPU");
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0);
-  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "qgemv takes 1 to ", MAX_ROWS, " rows, got ", M);
-  TORCH_CHECK(K % 32 == 0 && (qw.size(1) * 2 == K || qw.size(1) == K) && qw.scalar_type() == at::kByte && qw.is_contiguous(),
-              "qgemv weight must be uint8 [N, K / 2] (4 bits, two a byte) or [N, K] (8 bits + 128), K a multiple of 32");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qgemm takes x [M, K], float32 or bfloat16, on CPU");
+  const int64_t M = x.size(0), K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && K > 0, "qgemm takes K a multiple of 32, got ", K);
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
+                  qw.size(1) == groups && (qw.size(2) == 256 || qw.size(2) == 512),
+              "qgemm weight must be uint8 [ceil(N / 16), K / 32, 256 (4 bits) or 512 (8 bits)]");
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
-                  d.numel() == N * (K / 32) && mn.numel() == N * (K / 32),
-              "qgemv scales and mins must be float16 [N, K / 32]");
-  const int bits = qw.size(1) == K ? 8 : 4;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  Q8Rows xs;
-  quantize_rows(xf.data_ptr<float>(), M, K, xs);
+                  d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
+              "qgemm scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
+  const int bits = qw.size(2) == 256 ? 4 : 8;
+  const at::Tensor xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
   at::Tensor bf;
-  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "qgemm bias must have N = ", N, " values, got ", bias->numel());
+    bf = bias->to(at::kFloat).contiguous();
+  }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* qp = qw.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = mn.data_ptr<c10::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    auto run = [&](auto bits_tag) {
-      constexpr int B = decltype(bits_tag)::value;
-      switch (M) {
-        case 1: return qgemv_rows<1, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 2: return qgemv_rows<2, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 3: return qgemv_rows<3, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 4: return qgemv_rows<4, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 5: return qgemv_rows<5, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 6: return qgemv_rows<6, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 7: return qgemv_rows<7, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-        case 8: return qgemv_rows<8, B>(xs, K, qp, dp, mp, bp, yp, N, begin, end);
-      }
-    };
-    if (bits == 4) run(std::integral_constant<int, 4>{});
-    else run(std::integral_constant<int, 8>{});
-  });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  Q16Rows xs;
+  auto run = [&](auto bits_tag, auto* yp) {
+    constexpr int B = decltype(bits_tag)::value;
+    const int64_t tile_bytes = groups * B * 64;
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past 8 rows the tile comes from cache
+          qgemm_block<B>(static_cast<int>(std::min(QROWS, M - m0)), xs, m0, K, qp + t * tile_bytes,
+                         dp + t * groups * 16, mp + t * groups * 16, bp, yp, N, t * 16,
+                         static_cast<int>(std::min<int64_t>(16, N - t * 16)));
+    });
+  };
+  auto with_bits = [&](auto* yp) {
+    if (bits == 4) run(std::integral_constant<int, 4>{}, yp);
+    else run(std::integral_constant<int, 8>{}, yp);
+  };
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(xc.data_ptr<float>(), M, K, xs);
+    with_bits(y.data_ptr<float>());
+  } else {
+    quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, xs);
+    with_bits(y.data_ptr<c10::BFloat16>());
+  }
+  return y;
 }
 
 // Also a torch op, `atom_gemv::gemv`, so a traced graph (`atom_core.compile`) can call it.
@@ -367,6 +377,6 @@ TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) { m.impl("gemv", &gemv); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, weight-streaming (CPU)");
-  m.def("qgemv", &qgemv, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m), 1 to 8 rows of x (CPU)");
+  m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, any rows of x, batch-invariant (CPU)");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }
