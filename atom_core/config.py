@@ -59,8 +59,11 @@ class SpeculativeConfig:
     """Draft-and-verify decoding: each decode step checks up to `num_speculative_tokens` drafts.
 
     `method` names a proposer ("mtp", "eagle3", "ngram", or a plugin's), `verifier` the
-    rejection sampler. A request whose recent acceptance rate falls below
-    `min_acceptance_rate` stops drafting for `draft_retry_after` tokens (0 disables the gate).
+    rejection sampler. Each request drafts only the positions whose recent acceptance (its
+    own) is at least `min_acceptance_rate`; when even the first falls below it, drafting
+    stops for `draft_retry_after` tokens, longer after each failed retry (0 disables the
+    gate: always k). 0.5 keeps copy-heavy requests drafting and pauses free text's, whose
+    verify rows cost more than they return once a step holds several requests.
     """
 
     method: str = attrs.field(default="mtp", validator=_name)
@@ -70,7 +73,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = attrs.field(default=1, validator=positive)
     prompt_lookup_max: int = attrs.field(default=4, validator=positive)
     verifier: str = attrs.field(default="rejection", validator=_name)
-    min_acceptance_rate: float = attrs.field(default=0.2, validator=_rate)
+    min_acceptance_rate: float = attrs.field(default=0.5, validator=_rate)
     draft_retry_after: int = attrs.field(default=16, validator=positive)
 
     def __attrs_post_init__(self) -> None:

@@ -124,10 +124,10 @@ def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int |
 
 
 def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:
-    """`draft_limit`, or 0 while the request's gate has paused its drafting."""
+    """`draft_limit`, capped by what the request's gate allows (0 while it has paused drafting)."""
     gate = seq.draft_gate
-    if gate is not None and not gate.allows(seq.num_completion_tokens + num_new_tokens):
-        return 0
+    if gate is not None:
+        k = gate.drafts(k, seq.num_completion_tokens + num_new_tokens)
     return draft_limit(seq, num_new_tokens, k, max_model_len)
 
 
@@ -188,27 +188,60 @@ class SpecStats:
 
 @attrs.define
 class DraftGate:
-    """Whether one request keeps drafting, from its own acceptance history only.
+    """How many drafts one request verifies next, from its own acceptance history only.
 
-    Verifying drafts costs compute even when none is accepted. A request whose recent
-    acceptance rate (an exponential average over its verified steps) falls below
-    `min_rate` stops drafting for `retry_after` tokens, then resumes on probation (its
-    average restarts at `min_rate`, so one more bad step pauses it again). Nothing here
-    looks at other requests, so a seeded request generates the same tokens alone or batched.
+    Verifying a draft costs a row of compute whether or not it is accepted; how much
+    depends on the batch (next to nothing at batch 1, where a step streams the weights
+    anyway; about a plain token's cost at batch 8), and so does what pays. Nothing here
+    looks at other requests, so a seeded request generates the same tokens alone or
+    batched: the gate tracks, per draft position j, an exponential average of whether
+    position j was accepted when drafted, and drafts the longest run of positions whose
+    average is at least `min_rate` (all k at first; a closed position opens again, on
+    probation, when every draft before it is accepted). When even the first falls below
+    it, the request stops
+    drafting for `retry_after` tokens, then resumes on probation with a single draft (its
+    average restarted at `min_rate`, so one more miss pauses it again); each pause that
+    follows a failed probation lasts twice the one before (up to 16x), so a request whose
+    drafts never pay costs a probe row rarely.
     """
 
     min_rate: float
     retry_after: int
-    rate: float = 1.0
+    accept: list[float] = attrs.Factory(list)  # per position: average of "accepted when drafted"
     paused_until: int = 0  # completion-token count at which drafting resumes
+    pause: int = 0  # the last pause's length; 0 once drafts pay again
+
+    MAX_BACKOFF = 16
 
     def allows(self, num_completion_tokens: int) -> bool:
         return num_completion_tokens >= self.paused_until
 
+    def drafts(self, k: int, num_completion_tokens: int) -> int:
+        """Drafts worth verifying next step (at most k)."""
+        if not self.allows(num_completion_tokens):
+            return 0
+        if self.min_rate <= 0:
+            return k
+        if len(self.accept) < k:  # positions never drafted start trusted
+            self.accept.extend([1.0] * (k - len(self.accept)))
+        n = 0
+        while n < k and self.accept[n] >= self.min_rate:
+            n += 1
+        return n
+
     def record(self, num_drafted: int, num_accepted: int, num_completion_tokens: int) -> None:
         if num_drafted == 0 or self.min_rate <= 0:
             return
-        self.rate = 0.5 * self.rate + 0.5 * num_accepted / num_drafted
-        if self.rate < self.min_rate:
-            self.paused_until = num_completion_tokens + self.retry_after
-            self.rate = self.min_rate
+        if len(self.accept) < num_drafted:
+            self.accept.extend([self.min_rate] * (num_drafted - len(self.accept)))
+        for j in range(num_drafted):
+            self.accept[j] = 0.5 * self.accept[j] + 0.5 * (j < num_accepted)
+        if self.accept[0] < self.min_rate:
+            self.pause = self.retry_after if self.pause == 0 else min(2 * self.pause, self.MAX_BACKOFF * self.retry_after)
+            self.paused_until = num_completion_tokens + self.pause
+            # probation: one draft, and one more miss pauses again
+            self.accept = [self.min_rate] + [0.0] * (len(self.accept) - 1)
+            return
+        self.pause = 0
+        if num_accepted == num_drafted < len(self.accept):  # every draft taken: try one more position
+            self.accept[num_drafted] = max(self.accept[num_drafted], self.min_rate)

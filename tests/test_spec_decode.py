@@ -242,3 +242,64 @@ def test_a_gdn_hybrid_keeps_the_state_of_the_last_accepted_token(tmp_path, plugi
         assert stats["num_accepted_tokens"] == stats["num_drafts"]  # exactly one of each run
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == 96 and len(bm.per_req_cache_free_groups) == 8
+
+
+# -- the pieces on their own -------------------------------------------------------------
+
+
+def test_ngram_lookup_takes_the_longest_suffix_at_its_earliest_occurrence():
+    np = pytest.importorskip("numpy")
+    from atom_spec.ngram import lookup
+
+    t = np.array([5, 6, 7, 9, 5, 6, 8, 1, 5, 6, 7, 2, 5, 6, 7])
+    assert lookup(t, 1, 3, 2) == [9, 5]  # "5 6 7" first at 0; the later match at 8 loses
+    assert lookup(t, 1, 2, 3) == [9, 5, 6]  # "6 7" first at 1
+    assert lookup(np.array([1, 2, 3]), 1, 3, 2) == []  # the suffix alone matches only itself
+    assert lookup(np.array([4, 4]), 1, 1, 5) == [4]  # drafts stop at the end of the context
+    # ids whose bytes repeat across token boundaries (a byte search must stay on whole tokens)
+    t = np.array([256 * 257, 1, 1 + 256, 0, 257, 1])
+    assert lookup(t, 2, 2, 1) == [] and lookup(t, 1, 1, 1) == [257]
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # against a plain scan
+        t = rng.integers(0, int(rng.choice([3, 300, 70000])), int(rng.integers(1, 40))) * int(rng.choice([1, 257]))
+        lo, hi, k = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        ref = []
+        for n in range(min(hi, len(t) - 1), lo - 1, -1):
+            hits = [p for p in range(len(t) - n) if (t[p : p + n] == t[len(t) - n :]).all()]
+            if hits:
+                ref = t[hits[0] + n : hits[0] + n + k].tolist()
+                break
+        assert lookup(t, lo, hi, k) == ref
+
+
+def test_draft_gate_opens_positions_as_they_pay_and_backs_off_when_they_do_not():
+    from atom_core.speculative import DraftGate
+
+    gate, done = DraftGate(min_rate=0.5, retry_after=4), 0
+    assert gate.drafts(3, done) == 3  # positions never drafted are trusted
+    gate.record(3, 3, done)
+    gate.record(3, 2, done)  # the third rejected: its average falls to 0.5, still open
+    assert gate.drafts(3, done) == 3
+    gate.record(3, 2, done)  # again: 0.25, closed
+    assert gate.drafts(3, done) == 2
+    gate.record(2, 2, done)  # both taken: the third position on probation
+    assert gate.drafts(3, done) == 3
+    gate.record(3, 1, done)
+    gate.record(2, 1, done)  # the second rejected twice: only the first stays open
+    assert gate.drafts(3, done) == 1
+    gate.record(1, 0, done)  # a miss brings the first to 0.5: still drafting
+    assert gate.drafts(3, done) == 1
+    pauses = []
+    for _ in range(4):  # the first position fails: paused, then one probe, the pause doubling
+        gate.record(1, 0, done)
+        pauses.append(gate.paused_until - done)
+        assert gate.drafts(3, done) == 0 and gate.drafts(3, gate.paused_until - 1) == 0
+        done = gate.paused_until
+        assert gate.drafts(3, done) == 1  # probation
+    assert pauses == [4, 8, 16, 32]
+    gate.record(1, 0, done)
+    assert gate.paused_until - done == 64 == 16 * gate.retry_after  # capped
+    done = gate.paused_until
+    gate.record(gate.drafts(3, done), 1, done)  # the probe pays: pauses start over
+    assert gate.pause == 0 and gate.drafts(3, done) == 2
+    assert DraftGate(min_rate=0, retry_after=4).drafts(3, 0) == 3  # no gate
