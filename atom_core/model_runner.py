@@ -300,7 +300,8 @@ class ModelRunner:
             logits = None
             if rows:
                 index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
-                logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)]).float()
+                # In the model's dtype; the sampler, the verifier and log probabilities widen them.
+                logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         finally:
             reset_forward_context()
         t2 = time.perf_counter()
@@ -311,7 +312,7 @@ class ModelRunner:
             sampling = SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)
             if any(drafts):
                 probs = [seqs[r].spec_token_probs for r in sample_ids]
-                tokens = self.verifier(logits, drafts, probs, sampling)
+                tokens = self.verifier(logits.float(), drafts, probs, sampling)
                 accepted = {row: len(t) - 1 for row, d, t in zip(rows, drafts, tokens) if d}
                 for builder in self.attn_builders.values():
                     builder.commit_speculation(batch, accepted)
@@ -329,16 +330,22 @@ class ModelRunner:
         # The logits each request sampled its last token from, a row per request of
         # `last_req_ids`: for parity checks and debugging.
         self.last_req_ids = sample_ids
-        if logits is None:
-            self.last_logits = torch.empty((0, 0))
-        else:
-            self.last_logits = logits[torch.from_numpy(starts + [len(t) - 1 for t in tokens])]
+        self._last_logits = (logits, starts + [len(t) - 1 for t in tokens] if rows else None)
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
         out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
             out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
             out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
         return out
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        """float32 [requests, vocab]: the logits each request of `last_req_ids` sampled its last
+        token from (selected when asked: parity checks and debugging, not every step)."""
+        logits, rows = getattr(self, "_last_logits", (None, None))
+        if logits is None:
+            return torch.empty((0, 0))
+        return logits[torch.from_numpy(np.asarray(rows))].float()
 
     def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""

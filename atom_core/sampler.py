@@ -13,6 +13,8 @@ from typing import Any
 import attrs
 import torch
 
+from atom_core.layers.ops import argmax
+
 
 @attrs.define
 class SamplingMetadata:
@@ -43,8 +45,10 @@ class Sampler:
         self._row_generator = torch.Generator(device=self.device)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits: [num_reqs, vocab] float32 -> one token id per request."""
-        greedy_tokens = logits.argmax(dim=-1)
+        """logits: [num_reqs, vocab] in any float dtype -> one token id per request, from float32
+        (widening is exact; `ops.argmax` reads float32 rows with AVX-512)."""
+        logits = logits.float()
+        greedy_tokens = argmax(logits)
         greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
         if all(greedy):
             return greedy_tokens

@@ -1,6 +1,6 @@
-"""Where a batch-1 decode step's time goes: GEMMs, attention, and everything else.
+"""Where a decode step's time goes (batch 1 by default): GEMMs, attention, and everything else.
 
-The default model (SmolLM2-135M, 30 layers) decodes one request; every Linear's GEMM and
+The default model (SmolLM2-135M, 30 layers) decodes one request (or `--batch` of them); every Linear's GEMM and
 every attention layer's kernel call is timed with `perf_counter` around it (wrappers
 installed by this script only), and the rest of the step is what is left:
 
@@ -10,7 +10,7 @@ installed by this script only), and the rest of the step is what is left:
   dispatches them;
 * outside the model: scheduling, metadata, sampling, output bookkeeping.
 
-    .venv/bin/python benchmarks/decode_profile.py [--dtype float32] [--quantization none]
+    .venv/bin/python benchmarks/decode_profile.py [--dtype float32] [--quantization none] [--batch 1]
 
 The timers cost about a microsecond a call (~130 a step), which lands in "other".
 """
@@ -61,15 +61,18 @@ def main() -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(
         str(fetch_default_model(quiet=True)), dtype=args.dtype, quantization=args.quantization,
-        max_model_len=1024, kv_cache_memory=1 << 28,
+        max_model_len=1024, kv_cache_memory=1 << 29,
     )  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     instrument(engine, totals)
-    engine.add_request(list(range(100, 132)), SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True))
+    for i in range(args.batch):  # distinct 32-token prompts (no prefix sharing)
+        prompt = [100 + (7 * i + j) % 5000 for j in range(32)]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True))
     for _ in range(20):  # the prompt and warm-up
         engine.step()
     totals.clear()
@@ -81,7 +84,7 @@ def main() -> None:
     n = args.steps
     step = float(np.mean(steps))
     gemm, attn, model, head = (totals[k] / n for k in ("gemm", "attention", "model", "lm_head"))
-    print(f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch 1, {args.threads} threads, {n} steps")
+    print(f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch {args.batch}, {args.threads} threads, {n} steps")
     print("| part | ms per step |\n|---|---|")
     print(f"| whole step | {step * 1e3:.2f} (median {np.median(steps) * 1e3:.2f}) |")
     print(f"| GEMMs (LM head included) | {gemm * 1e3:.2f} |")

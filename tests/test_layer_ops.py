@@ -115,3 +115,26 @@ def test_silu_and_mul_matches_torch_where_its_two_exps_disagree(native):
     x = torch.cat([gate, torch.randn(3, 208, generator=torch.Generator().manual_seed(8))], dim=1)
     expected = torch.nn.functional.silu(x[:, :208]) * x[:, 208:]
     assert torch.equal(bits(ops.silu_and_mul(x)), bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_first_maximum_and_nan(dtype):
+    from atom_core.layers.ops import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, n in [(1, 1), (1, 15), (3, 16), (2, 17), (32, 49152), (5, 1000)]:
+        x = torch.randn(rows, n, generator=gen).to(dtype)
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [-0.0, 0.0, -1.0, -0.0], [-float("inf")] * 4], dtype=dtype)
+    x = torch.cat([x, torch.full((3, 30), -5.0, dtype=dtype)], dim=1)  # ties across the vector part
+    x[0, 20] = 3.0
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 4]
+    assert argmax(torch.full((1, 40), -float("inf"), dtype=dtype)).tolist() == [0]
+    for at in (0, 7, 16, 33):  # a NaN anywhere wins, the first of them
+        y = torch.randn(2, 34, generator=gen).to(dtype)
+        y[1, at] = float("nan")
+        y[1, 33] = float("nan")
+        y[0, 5] = float("inf")
+        assert argmax(y).tolist() == y.argmax(dim=-1).tolist() == [5, at]
+    strided = torch.randn(4, 64, generator=gen).to(dtype)[:, 3:40]  # rows apart in memory
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))

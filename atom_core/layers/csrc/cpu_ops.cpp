@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -216,7 +217,73 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   return x;
 }
 
+// torch.argmax over each row: the first index of the row's maximum, or of its first NaN
+// (torch counts NaN as the largest). torch's CPU argmax reads ~1 G values/s; a greedy step
+// takes one over a [requests, vocab] logits block. Two passes over a row in cache: its
+// maximum (and whether it holds a NaN), then where that value first appears.
+namespace {
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    best = _mm512_reduce_max_ps(m);
+    nan = unordered != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = atom::to_float(x[i]);
+    nan |= v != v;
+    best = std::max(best, v);
+  }
+  i = 0;
+  if (nan) {
+    while (atom::to_float(x[i]) == atom::to_float(x[i])) ++i;
+    return i;
+  }
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 target = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+      if (hit) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (atom::to_float(x[i]) == best) return i;
+  return 0;  // an empty row (n == 0) is refused before this
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows takes rows of at least one value");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  DISPATCH(x.scalar_type(), "argmax_rows", {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * stride, n);
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "argmax over each row, torch's semantics (first maximum, NaN largest; CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32 statistics (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (residual updated in place; CPU)");
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up, as torch's one-thread silu rounds (CPU)");
