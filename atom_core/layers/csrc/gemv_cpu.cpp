@@ -234,7 +234,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
   out.q.resize(M * K);
   out.scale.resize(groups);
   out.sum.resize(groups);
-  for (int64_t g = 0; g < groups; ++g) {
+  // Groups are independent: a prefill's worth (512 x 1536 values) is split over the threads.
+  at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
+  for (int64_t g = begin; g < end; ++g) {
     const __m512 a = load16_as_float(x + g * 32), b = load16_as_float(x + g * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
@@ -244,6 +246,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
     out.scale[g] = amax / 32767.f;
     out.sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   }
+  });
 }
 
 // W_4j .. W_4j+3 of a tile-group.
