@@ -97,6 +97,8 @@ class ModelRunner:
         self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
         draft_modules = self.proposer.draft_modules() if self.proposer else []
         self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
+        # the last step's logits and the row each request sampled from (`last_logits`)
+        self._last_logits: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
         if self.proposer and self.proposer.aux_hidden_layers:
             self._capture_aux_hidden(self.proposer.aux_hidden_layers)
         self.attn_layers = [
@@ -330,7 +332,7 @@ class ModelRunner:
         # The logits each request sampled its last token from, a row per request of
         # `last_req_ids`: for parity checks and debugging.
         self.last_req_ids = sample_ids
-        self._last_logits = (logits, starts + [len(t) - 1 for t in tokens] if rows else None)
+        self._last_logits = (logits, starts + [len(t) - 1 for t in tokens]) if rows else (None, None)
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
         out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
@@ -342,10 +344,10 @@ class ModelRunner:
     def last_logits(self) -> torch.Tensor:
         """float32 [requests, vocab]: the logits each request of `last_req_ids` sampled its last
         token from (selected when asked: parity checks and debugging, not every step)."""
-        logits, rows = getattr(self, "_last_logits", (None, None))
+        logits, rows = self._last_logits
         if logits is None:
             return torch.empty((0, 0))
-        return logits[torch.from_numpy(np.asarray(rows))].float()
+        return logits[torch.from_numpy(rows)].float()
 
     def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""

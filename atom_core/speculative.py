@@ -198,11 +198,10 @@ class DraftGate:
     position j was accepted when drafted, and drafts the longest run of positions whose
     average is at least `min_rate` (all k at first; a closed position opens again, on
     probation, when every draft before it is accepted). When even the first falls below
-    it, the request stops
-    drafting for `retry_after` tokens, then resumes on probation with a single draft (its
-    average restarted at `min_rate`, so one more miss pauses it again); each pause that
-    follows a failed probation lasts twice the one before (up to 16x), so a request whose
-    drafts never pay costs a probe row rarely.
+    it, the request stops drafting for `retry_after` tokens, then resumes on probation
+    with a single draft (its average restarted at `min_rate`, so one more miss pauses it
+    again); each pause that follows a failed probation lasts twice the one before (up to
+    16x), so a request whose drafts never pay costs a probe row rarely.
     """
 
     min_rate: float
@@ -213,12 +212,9 @@ class DraftGate:
 
     MAX_BACKOFF = 16
 
-    def allows(self, num_completion_tokens: int) -> bool:
-        return num_completion_tokens >= self.paused_until
-
     def drafts(self, k: int, num_completion_tokens: int) -> int:
-        """Drafts worth verifying next step (at most k)."""
-        if not self.allows(num_completion_tokens):
+        """Drafts worth verifying next step (at most k; 0 while paused)."""
+        if num_completion_tokens < self.paused_until:
             return 0
         if self.min_rate <= 0:
             return k

@@ -63,16 +63,10 @@ def test_speculation_makes_every_gemm_batch_invariant(llama, quantization):
     speculative config every Linear's kernel serves every row count alike (float weights:
     oneDNN, the small-row fast path off; quantized groups of 32: the streaming kernel, which
     always is), so greedy tokens equal plain greedy under quantized weights too."""
-    from atom_core.layers.linear import Linear
+    from atom_core.layers.linear import gemm_kernels
 
     def invariant(engine):
-        flags = []
-        for m in engine.runner.model.modules():
-            if isinstance(m, Linear):
-                for kernel in (m.gemm, m.packed_weight, getattr(m.packed_weight, "kernel", None)):
-                    if hasattr(kernel, "batch_invariant"):
-                        flags.append(kernel.batch_invariant)
-        return flags
+        return [k.batch_invariant for k in gemm_kernels(engine.runner.model) if hasattr(k, "batch_invariant")]
 
     prompts = copy_heavy_prompts()
     plain_tokens, plain_engine = generate(llama, prompts, quantization=quantization)

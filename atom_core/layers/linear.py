@@ -23,6 +23,7 @@ import functools
 import os
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -110,11 +111,18 @@ def batch_invariant_gemms(model: nn.Module) -> None:
     kernel that rounds differently at different row counts breaks that on near ties (at 4
     bits torch's kernel keeps 8 bits of the activations where the streaming kernel keeps 16).
     """
+    for kernel in gemm_kernels(model):
+        if hasattr(kernel, "make_batch_invariant"):
+            kernel.make_batch_invariant()
+
+
+def gemm_kernels(model: nn.Module) -> Iterator[Any]:
+    """Every Linear's kernel objects: the GEMM itself, what it takes, and what that wraps (an LM head's)."""
     for m in model.modules():
-        if isinstance(m, Linear):  # the kernel is the GEMM itself, or what it takes (an LM head's wraps one)
+        if isinstance(m, Linear):
             for kernel in (m.gemm, m.packed_weight, getattr(m.packed_weight, "kernel", None)):
-                if hasattr(kernel, "make_batch_invariant"):
-                    kernel.make_batch_invariant()
+                if kernel is not None:
+                    yield kernel
 
 
 class Linear(nn.Linear):

@@ -116,4 +116,3 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ops is not None and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return ops.argmax_rows(x)
     return x.argmax(dim=-1)
-

@@ -289,10 +289,9 @@ class StreamingGroupGemm:
         return packed.reshape(t, g, -1).contiguous(), per_group(scales), per_group(mins)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # a model's activations: no reshapes (a decode step makes ~120 of these calls)
-            return self.ops.qgemm(x, self.qweight, self.scales, self.mins, self.out_features, None)
-        out = self.ops.qgemm(x.reshape(-1, self.in_features), self.qweight, self.scales, self.mins, self.out_features, None)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a model's 2-D activations: no reshapes
+        out = self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, None)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8PackGemm:

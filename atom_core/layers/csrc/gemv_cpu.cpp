@@ -26,7 +26,7 @@ namespace {
 using atom::from_float;
 using atom::to_float;
 
-// 16 weights widened to float32.
+// 16 values (weights, or activations) widened to float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -222,12 +222,6 @@ struct Q16Rows {
   std::vector<float> scale, sum;  // [M][K / 32]
 };
 
-inline __m512 load16_as_float(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_as_float(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
   const int64_t groups = M * K / 32;
@@ -237,7 +231,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
   // Groups are independent: a prefill's worth (512 x 1536 values) is split over the threads.
   at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
   for (int64_t g = begin; g < end; ++g) {
-    const __m512 a = load16_as_float(x + g * 32), b = load16_as_float(x + g * 32 + 16);
+    const __m512 a = load16(x + g * 32), b = load16(x + g * 32 + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
     int16_t* q = out.q.data() + g * 32;
