@@ -109,3 +109,7 @@ def _stream(engine, prompt, params) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     print()
+
+
+if __name__ == "__main__":  # python -m atom_core.cli
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ import torch
 from atom_core.attention import AttentionMetadataBuilder
 from atom_core.compile import compile_model
 from atom_core.config import Config
+from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.layers.linear import batch_invariant_gemms
 from atom_core.loader import load_model_weights
@@ -119,6 +120,8 @@ class ModelRunner:
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
         self.run_model = compile_model(self.model, config, self.device)
+        for module in draft_modules:  # a proposer's own layers run eagerly
+            direct_calls(module)
         self.timings: dict[str, float] = defaultdict(float)
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:

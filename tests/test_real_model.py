@@ -133,6 +133,15 @@ def test_cli_generate_streams_the_answer(capsys):
     assert "The capital of France is Paris." in capsys.readouterr().out
 
 
+def test_cli_runs_as_a_module():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "atom_core.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "generate" in done.stdout
+
+
 def test_ngram_speculation_gives_the_same_greedy_tokens(prompts, hf_greedy_32):
     """Prompt lookup on the real model: the same tokens as transformers, and on a copying task
     most drafts are accepted."""
