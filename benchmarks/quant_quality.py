@@ -1,13 +1,19 @@
 """Perplexity of the default model under each weight format, through Atom's own quantized kernels.
 
-Atom has no prompt log-probabilities yet, so this runs transformers' LlamaForCausalLM on the
-converted SmolLM2 folder and swaps every nn.Linear for the kernel `atom_core.layers.quant`
-picks for the format (bfloat16 activations into each GEMM, as in Atom); the LM head goes
-through `ExactTopLogits` as in Atom. Perplexity of a text in windows of `--window` tokens
-(default: the GPL-3 text of /usr/share/common-licenses, else README.md), relative to the
-same model in bfloat16 and in float32 (the file dequantized).
+Two tables over the same text in windows of `--window` tokens (default: the GPL-3 text of
+/usr/share/common-licenses, else README.md):
+
+* Atom end to end: an `LLMEngine` per `Config` setting (dtype, quantization), perplexity from
+  its own `prompt_logprobs`;
+* formats `Config` does not offer (other group sizes, symmetric groups, other LM-head
+  formats): transformers' LlamaForCausalLM on the converted SmolLM2 folder with every
+  nn.Linear swapped for the kernel `atom_core.layers.quant` picks for the format, the LM
+  head through `ExactTopLogits` as in Atom.
+
+Each relative to the same model in bfloat16 and in float32 (the file dequantized).
 
     .venv/bin/python benchmarks/quant_quality.py [--text FILE] [--window 512] [--threads 2]
+        [--only 2,5] [--engine-only]
 """
 
 from __future__ import annotations
@@ -85,6 +91,41 @@ def perplexity(model: nn.Module, ids: torch.Tensor, window: int) -> float:
     return math.exp(nll / count)
 
 
+ENGINE_SETTINGS = [  # name, LLMEngine settings
+    ("float32, quantization='none'", dict(dtype="float32", quantization="none")),
+    ("bfloat16, quantization='none'", dict(dtype="bfloat16", quantization="none")),
+    ("default: float32, quantization='auto' (the Q4_1 file)", dict()),
+    ("bfloat16, quantization='auto'", dict(dtype="bfloat16")),
+    ("float32, quantization='int8'", dict(dtype="float32", quantization="int8")),
+    ("float32, quantization='int4'", dict(dtype="float32", quantization="int4")),
+]
+
+
+def engine_perplexity(folder: Path, settings: dict, ids: list[int], window: int) -> float:
+    """Atom's own prompt log probabilities over windows of `window` + 1 tokens (each window's
+    tokens after its first are scored, as `perplexity` scores them)."""
+    from atom_core import SamplingParams
+    from atom_core.llm_engine import LLMEngine
+
+    engine = LLMEngine(str(folder), max_model_len=window + 8, kv_cache_memory=256 << 20, **settings)
+    windows = [ids[s : s + window + 1] for s in range(0, len(ids) - 1, window)]
+    windows = [w for w in windows if len(w) >= 2]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    nll, count = 0.0, 0
+    for r in engine.generate(windows, params, use_tqdm=False):
+        logprobs = [next(iter(entry.values())) for entry in r["prompt_logprobs"][1:]]
+        nll -= sum(logprobs)
+        count += len(logprobs)
+    return math.exp(nll / count)
+
+
+def print_table(results: dict[str, float], f32: float, bf16: float) -> None:
+    print("\n| weights | perplexity | vs bfloat16 | vs float32 |")
+    print("|---|---:|---:|---:|")
+    for name, ppl in results.items():
+        print(f"| {name} | {ppl:.3f} | {100 * (ppl / bf16 - 1):+.2f}% | {100 * (ppl / f32 - 1):+.2f}% |")
+
+
 VARIANTS = [  # name, dtype between GEMMs, format of the layers, format of the LM head
     ("float32 (the file dequantized)", torch.float32, None, None),
     ("bfloat16", torch.bfloat16, None, None),
@@ -107,6 +148,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated indices into VARIANTS (0 and 1, the references, always run)")
+    ap.add_argument("--engine-only", action="store_true", help="only the end-to-end table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
@@ -114,17 +156,23 @@ def main() -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     ids = torch.tensor(tokenizer.encode(args.text.read_text()))
     print(f"{args.text}: {ids.numel()} tokens, windows of {args.window}")
+    print("\nAtom end to end (LLMEngine, prompt_logprobs):")
     results: dict[str, float] = {}
+    for name, settings in ENGINE_SETTINGS:
+        t0 = time.perf_counter()
+        results[name] = engine_perplexity(folder, settings, ids.tolist(), args.window)
+        print(f"{name:<56} ppl {results[name]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print_table(results, results[ENGINE_SETTINGS[0][0]], results[ENGINE_SETTINGS[1][0]])
+    if args.engine_only:
+        return
+    print("\nOther formats (transformers' model, Atom's kernels):")
+    results = {}
     picked = {0, 1} | {int(i) for i in args.only.split(",") if i} if args.only else set(range(len(VARIANTS)))
     for name, dtype, fmt, head in [v for i, v in enumerate(VARIANTS) if i in picked]:
         t0 = time.perf_counter()
         results[name] = perplexity(build(folder, dtype, fmt, head), ids, args.window)
         print(f"{name:<48} ppl {results[name]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    f32, bf16 = results[VARIANTS[0][0]], results[VARIANTS[1][0]]
-    print("\n| weights | perplexity | vs bfloat16 | vs float32 |")
-    print("|---|---:|---:|---:|")
-    for name, ppl in results.items():
-        print(f"| {name} | {ppl:.3f} | {100 * (ppl / bf16 - 1):+.2f}% | {100 * (ppl / f32 - 1):+.2f}% |")
+    print_table(results, results[VARIANTS[0][0]], results[VARIANTS[1][0]])
 
 
 if __name__ == "__main__":
