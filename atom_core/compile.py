@@ -35,8 +35,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from atom_core.direct_calls import direct_calls
-
 logger = logging.getLogger("atom")
 
 # Steps with more tokens than this run eagerly (and their GEMMs take oneDNN's packed weights,
@@ -98,10 +96,8 @@ def opaque_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_model(model: nn.Module, config: Any, device: torch.device) -> Callable:
-    """The forward the runner calls: compiled where it applies, else `model` itself (with one log line why),
-    its modules called directly (`direct_calls`)."""
+    """The forward the runner calls: compiled where it applies, else `model` itself (with one log line why)."""
     if config.enforce_eager:
-        direct_calls(model)
         return model
     why = None
     opaque = opaque_modules(model)
@@ -111,7 +107,6 @@ def compile_model(model: nn.Module, config: Any, device: torch.device) -> Callab
         why = f"opaque layers without `out_features`: {', '.join(missing)}"
     if why:
         logger.info("atom: compiled decode path off: %s; running eagerly", why)
-        direct_calls(model)
         return model
     for m in opaque:
         _opaque(m)

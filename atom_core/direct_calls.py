@@ -42,20 +42,24 @@ def _restoring(cls: type, name: str):
 
 def _direct_class(cls: type) -> type:
     if cls not in _direct_classes:
-        namespace = {"__call__": _direct_call, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        namespace = {
+            "__call__": _direct_call,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_plain_type": cls,
+        }
         namespace.update({name: _restoring(cls, name) for name in _HOOK_REGISTRARS})
         _direct_classes[cls] = type(cls.__name__, (cls,), namespace)
     return _direct_classes[cls]
 
 
-def is_direct(module: nn.Module) -> bool:
-    return type(module) in _direct_classes.values()
-
-
 def plain_type(module: nn.Module) -> type:
     """The module's own class, direct or not (what `type(module) is Cls` checks should compare)."""
-    cls = type(module)
-    return cls.__mro__[1] if cls in _direct_classes.values() else cls
+    return vars(type(module)).get("_plain_type", type(module))
+
+
+def is_direct(module: nn.Module) -> bool:
+    return plain_type(module) is not type(module)
 
 
 def direct_calls(root: nn.Module) -> None:

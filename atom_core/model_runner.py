@@ -120,8 +120,10 @@ class ModelRunner:
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
         self.run_model = compile_model(self.model, config, self.device)
-        for module in draft_modules:  # a proposer's own layers run eagerly
-            direct_calls(module)
+        # Eager modules skip nn.Module.__call__'s hook checks (a compiled model is traced as it is;
+        # a proposer's own layers always run eagerly).
+        for root in ([self.model] if self.run_model is self.model else []) + draft_modules:
+            direct_calls(root)
         self.timings: dict[str, float] = defaultdict(float)
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:

@@ -78,13 +78,17 @@ def build(folder: Path, dtype: torch.dtype, fmt: str | None, head: str | None) -
     return model.to(dtype)
 
 
+def windows(ids, window: int) -> list:
+    """`ids` in windows of `window` + 1 tokens, overlapping by one: every token after the first
+    is scored once, from the tokens before it in its window."""
+    return [ids[start : start + window + 1] for start in range(0, len(ids) - 1, window)]
+
+
 @torch.inference_mode()
 def perplexity(model: nn.Module, ids: torch.Tensor, window: int) -> float:
     nll, count = 0.0, 0
-    for start in range(0, ids.numel() - 1, window):
-        chunk = ids[start : start + window + 1].unsqueeze(0)
-        if chunk.shape[1] < 2:
-            break
+    for chunk in windows(ids, window):
+        chunk = chunk.unsqueeze(0)
         logits = model(chunk[:, :-1]).logits.float()
         nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
         count += chunk.shape[1] - 1
@@ -102,17 +106,14 @@ ENGINE_SETTINGS = [  # name, LLMEngine settings
 
 
 def engine_perplexity(folder: Path, settings: dict, ids: list[int], window: int) -> float:
-    """Atom's own prompt log probabilities over windows of `window` + 1 tokens (each window's
-    tokens after its first are scored, as `perplexity` scores them)."""
+    """Atom's own prompt log probabilities over the same `windows` as `perplexity`."""
     from atom_core import SamplingParams
     from atom_core.llm_engine import LLMEngine
 
     engine = LLMEngine(str(folder), max_model_len=window + 8, kv_cache_memory=256 << 20, **settings)
-    windows = [ids[s : s + window + 1] for s in range(0, len(ids) - 1, window)]
-    windows = [w for w in windows if len(w) >= 2]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     nll, count = 0.0, 0
-    for r in engine.generate(windows, params, use_tqdm=False):
+    for r in engine.generate(windows(ids, window), params, use_tqdm=False):
         logprobs = [next(iter(entry.values())) for entry in r["prompt_logprobs"][1:]]
         nll -= sum(logprobs)
         count += len(logprobs)
