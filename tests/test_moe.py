@@ -263,6 +263,34 @@ def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
     torch.testing.assert_close(moe(x[:1], w[:1], ids[:1]), before_one, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden,inter", [(16, 12), (15, 9), (70, 33)], ids=["even", "odd", "past_one_panel"])
+def test_packed_experts_against_float64(dtype, hidden, inter):
+    """The C++ loop on panel-packed experts: odd K (bfloat16 pads pairs), widths short of and
+    past a whole panel, an expert with more rows than one micro-kernel call (kRowBlock) and
+    than one pass over its weights (kChunkRows) take."""
+    from atom_core.layers import moe as moe_module
+
+    if moe_module.moe_ops() is None:
+        pytest.skip("the C++ experts loop is unavailable (no compiler, or ATOM_CPU_KERNELS=0)")
+    torch.manual_seed(1)
+    moe = FusedMoE(5, hidden, inter).to(dtype)
+    with torch.no_grad():
+        moe.w13.copy_(torch.randn_like(moe.w13) * 0.3)
+        moe.w2.copy_(torch.randn_like(moe.w2) * 0.3)
+    x = torch.randn(300, hidden, dtype=dtype)
+    w, ids = select_experts(torch.randn(300, 5), 2)
+    ids[:, 0] = 3  # expert 3 takes all 300 tokens: two passes, ten blocks of rows
+    ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
+    ref = per_token_loop(moe, x, w, ids)
+    moe.process_weights_after_loading()
+    assert moe.packed is not None and moe.w13 is None
+    out = moe(x, w, ids)
+    assert out.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out.double(), ref, **tol)
+
+
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="'gelu'"):
         FusedMoE(4, 8, 8, activation="gelu")

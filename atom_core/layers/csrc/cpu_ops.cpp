@@ -17,7 +17,6 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-#include <sleef.h>  // shipped with torch; libtorch_cpu exports the functions its vector kernels call
 #endif
 
 #include "float_convert.h"
@@ -26,6 +25,8 @@ namespace {
 
 using atom::from_float;
 using atom::to_float;
+using atom::exp_lanes;
+using atom::kLanes;
 
 // Round a float through T (a no-op for float): where transformers holds a product in the
 // activation dtype, so do we.
@@ -103,18 +104,6 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// exp over kLanes floats in place, with the function torch's vectorised CPU kernels call
-// (Sleef's 1-ulp expf; its AVX2 and AVX-512 versions agree on every float).
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-inline void exp_lanes(float* v) { _mm512_storeu_ps(v, Sleef_expf16_u10(_mm512_loadu_ps(v))); }
-#elif defined(__AVX2__)
-constexpr int64_t kLanes = 8;
-inline void exp_lanes(float* v) { _mm256_storeu_ps(v, Sleef_expf8_u10(_mm256_loadu_ps(v))); }
-#else
-constexpr int64_t kLanes = 0;
-inline void exp_lanes(float*) {}
-#endif
 
 // x: [rows, 2 * d] = [gate | up] -> out [rows, d] = silu(gate) * up, rounded as
 // F.silu(gate) * up: silu(g) = g / (1 + exp(-g)) in float32, rounded to T, then the product
