@@ -114,13 +114,13 @@ void experts_impl(const at::Tensor& hidden, const at::Tensor& order, const std::
     // once, bounded by kChunkRows), so a call page-faults no fresh memory
     static thread_local std::vector<T> a1, a2;
     static thread_local std::vector<float> c1, c2;
-    a1.resize(std::max<size_t>(a1.size(), kChunkRows * k1));
-    c1.resize(std::max<size_t>(c1.size(), kChunkRows * panels13 * kPanel));
-    a2.resize(std::max<size_t>(a2.size(), kChunkRows * k2));
-    c2.resize(std::max<size_t>(c2.size(), kChunkRows * panels2 * kPanel));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < n_tasks; ++j) {
       try {
+        a1.resize(std::max<size_t>(a1.size(), kChunkRows * k1));
+        c1.resize(std::max<size_t>(c1.size(), kChunkRows * panels13 * kPanel));
+        a2.resize(std::max<size_t>(a2.size(), kChunkRows * k2));
+        c2.resize(std::max<size_t>(c2.size(), kChunkRows * panels2 * kPanel));
         const int64_t i = by_size[j], e = experts[i];
         for (int64_t r0 = 0; r0 < counts[e]; r0 += kChunkRows) {
           const int64_t n = std::min(kChunkRows, counts[e] - r0);
