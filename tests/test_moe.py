@@ -287,7 +287,8 @@ def test_packed_experts_against_float64(dtype, hidden, inter):
     assert moe.packed is not None and moe.w13 is None
     out = moe(x, w, ids)
     assert out.dtype == dtype
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    # bfloat16 rounds the GEMM outputs, silu and the product as transformers does; outputs are ~3
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     torch.testing.assert_close(out.double(), ref, **tol)
 
 

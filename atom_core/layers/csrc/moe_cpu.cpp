@@ -10,10 +10,10 @@
 // the same experts, single-threaded with the weights streamed from memory, this read
 // 33 against 19 GB/s at 6 rows and ran 440 against 337 GFLOP/s at 48 (bfloat16).
 //
-// Results accumulate in float32: gate+up stays float32 through silu and the product (one
-// rounding to the weights' dtype before the down GEMM), the down output is scaled by the
-// routing weight in float32, and each token's k expert rows are summed in float32 and
-// rounded once.
+// The GEMMs accumulate in float32; their outputs, silu and the product round to the
+// weights' dtype where transformers' expert MLP rounds (a bfloat16 model's routing in the
+// next layer depends on it), the routing weight applies in float32, and each token's k
+// expert rows are summed in float32 and rounded once.
 //
 // At a few rows per expert a GEMM is too small to split over threads: whole experts per
 // thread, largest first, handed out dynamically, keeps the threads even when the counts
@@ -38,6 +38,7 @@ namespace {
 using atom::exp_lanes;
 using atom::from_float;
 using atom::kLanes;
+using atom::to_float;
 
 constexpr int64_t kPanel = 64;     // NB: output columns per weight panel
 constexpr int64_t kRowBlock = 32;  // rows per micro-kernel call
@@ -65,20 +66,26 @@ void panel_gemm(const T* a, int64_t rows, int64_t k, const T* w, int64_t panels,
   }
 }
 
-// out[r, :inter] = silu(c[r, :inter]) * c[r, inter:2 inter] (float32), rounded to T; pad columns zero.
+// out[r, :inter] = silu(gate) * up of c's rows [gate | up], rounded as transformers rounds
+// (each GEMM output to T, silu(gate) to T, the product to T: F.silu(gate) * up on T values,
+// so a bfloat16 model routes its next layer as transformers' bfloat16 model does); pad columns zero.
 template <typename T>
 void silu_mul_rows(const float* c, int64_t rows, int64_t ldc, int64_t inter, T* out, int64_t ld_out) {
-  std::vector<float> e(inter + kLanes);
+  std::vector<float> g(inter), e(inter + kLanes);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = c + r * ldc;
-    const float* u = g + inter;
-    for (int64_t i = 0; i < inter; ++i) e[i] = -g[i];
+    const float* gate = c + r * ldc;
+    const float* up = gate + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      g[i] = to_float(from_float<T>(gate[i]));
+      e[i] = -g[i];
+    }
     int64_t i = 0;
     if constexpr (kLanes > 0)
       for (; i + kLanes <= inter; i += kLanes) exp_lanes(e.data() + i);
     for (; i < inter; ++i) e[i] = std::exp(e[i]);
     T* o = out + r * ld_out;
-    for (int64_t j = 0; j < inter; ++j) o[j] = from_float<T>(g[j] / (1.f + e[j]) * u[j]);
+    for (int64_t j = 0; j < inter; ++j)
+      o[j] = from_float<T>(to_float(from_float<T>(g[j] / (1.f + e[j]))) * to_float(from_float<T>(up[j])));
     for (int64_t j = inter; j < ld_out; ++j) o[j] = from_float<T>(0.f);
   }
 }
@@ -138,7 +145,7 @@ void experts_impl(const at::Tensor& hidden, const at::Tensor& order, const std::
             const float w = weights_p[rows[r]];
             const float* src = c2.data() + r * ldc2;
             float* dst = slots + rows[r] * hidden_size;
-            for (int64_t c = 0; c < hidden_size; ++c) dst[c] = src[c] * w;
+            for (int64_t c = 0; c < hidden_size; ++c) dst[c] = to_float(from_float<T>(src[c])) * w;  // the output in T, as transformers has it
           }
         }
       } catch (...) {
