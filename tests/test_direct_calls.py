@@ -103,3 +103,48 @@ def test_engine_runs_its_model_through_direct_calls(tmp_path):
     assert all(is_direct(m) for m in engine.runner.model.modules())
     out = engine.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4
+
+
+def test_attribute_reads_skip_getattr_and_follow_every_change():
+    """Parameters, buffers and submodules are mirrored into the instance dict (no
+    nn.Module.__getattr__ on the hot path), and the mirror follows each way they change."""
+    torch.manual_seed(0)
+    net = Net()
+    direct_calls(net)
+    block, proj = net.layers[0], net.layers[0].proj
+    assert vars(block)["proj"] is proj and vars(proj)["weight"] is proj._parameters["weight"]
+    reads = []
+    original = nn.Module.__getattr__
+    nn.Module.__getattr__ = lambda self, name: reads.append(name) or original(self, name)
+    try:
+        net(torch.randn(3, 4))
+    finally:
+        nn.Module.__getattr__ = original
+    assert reads == []
+
+    new_weight = nn.Parameter(torch.zeros(4, 4))
+    proj.weight = new_weight  # setattr of a parameter
+    assert proj.weight is new_weight and proj._parameters["weight"] is new_weight
+    proj.bias = None  # a parameter set to None
+    assert proj.bias is None and proj._parameters["bias"] is None
+    proj.register_buffer("scale", torch.ones(4))
+    assert proj.scale is proj._buffers["scale"]
+    other = nn.Linear(4, 4)
+    block.proj = other  # a submodule replaced
+    assert block.proj is other and block._modules["proj"] is other
+    block.add_module("extra", nn.Identity())
+    assert block.extra is block._modules["extra"]
+    del block.extra
+    assert "extra" not in vars(block) and not hasattr(block, "extra")
+
+    kept = net.layers[1].proj
+    kept.register_buffer("scale", torch.ones(4))
+    net.to(torch.float64)  # may replace buffers: the mirror follows
+    assert kept.scale is kept._buffers["scale"] and kept.scale.dtype == torch.float64
+    assert kept.weight is kept._parameters["weight"] and kept.weight.dtype == torch.float64
+
+    norm = net.layers[1].norm
+    norm.register_forward_hook(lambda *a: None)  # back to the plain class: the mirror goes
+    assert not is_direct(norm) and "weight" not in vars(norm)
+    norm.weight = nn.Parameter(torch.full((4,), 2.0, dtype=torch.float64))
+    assert norm.weight is norm._parameters["weight"]
