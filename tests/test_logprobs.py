@@ -108,3 +108,32 @@ def test_too_many_logprobs_is_refused_by_name(tiny):
         engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=21))
     with pytest.raises(ValueError, match="logprobs must be None or an integer"):
         SamplingParams(logprobs=-1)
+
+
+def test_streamed_outputs_carry_the_logprobs_of_their_tokens(tiny):
+    """A stream callback gets each token's log probabilities with the token (speculative
+    steps emit several at once), the prompt's with the first tokens, and nothing unasked."""
+    folder, _ = tiny
+    spec = dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0)
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=128, speculative_config=spec)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    asked, plain = [], []
+    rid = engine.add_request(
+        prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1), stream_callback=asked.append
+    )
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12), stream_callback=plain.append)
+    results = {}
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            results[r["request_id"]] = r
+    result = results[rid]
+    assert [t for out in asked for t in out.output_tokens] == result["token_ids"]
+    for out in asked:
+        assert len(out.logprobs) == len(out.output_tokens)
+        assert [next(iter(entry)) for entry in out.logprobs] == out.output_tokens
+    assert [e for out in asked for e in out.logprobs] == result["logprobs"]
+    assert any(len(out.output_tokens) > 1 for out in asked)  # a verify step emitted several
+    with_prompt = [out for out in asked if out.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and with_prompt[0] is next(out for out in asked if out.output_tokens)
+    assert with_prompt[0].prompt_logprobs == result["prompt_logprobs"]
+    assert all(out.logprobs is None and out.prompt_logprobs is None for out in plain)
