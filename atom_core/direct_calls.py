@@ -13,9 +13,10 @@ submodules are mirrored into its instance `__dict__`, where Python finds them fi
 `__getattr__` calls, ~0.25 ms of a batch-1 bfloat16 decode step). The subclass keeps the
 mirror in step with every way the tables change through the module (`setattr`, `delattr`,
 `register_parameter` / `register_buffer` / `add_module` / `register_module`, and `.to()`
-and kin, which may replace buffers); writing `module._parameters[...]` directly is not seen. A module that has hooks
-keeps the normal call, and registering a hook on a direct module first turns it back into
-its own class, so hooks added later still run. `type(module)` is the subclass (same name);
+and kin, which may replace buffers); writing `module._parameters[...]` directly is not seen.
+
+A module that has hooks keeps the normal call, and registering a hook on a direct module
+first turns it back into its own class, so hooks added later still run. `type(module)` is the subclass (same name);
 `plain_type(module)` gives the class itself. Not covered: global module hooks
 (`torch.nn.modules.module.register_module_forward_hook`) and pickling a whole model
 object (`state_dict` is unaffected).

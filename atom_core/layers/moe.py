@@ -138,7 +138,6 @@ class FusedMoE(nn.Module):
         ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") else moe_ops()  # the micro-kernel is oneDNN's
         if ops is None or not ops.usable(self.w13):
             return
-        self.weight_dtype = self.w13.dtype
         self.packed = (pack_panels(self.w13.data, ops.PANEL), pack_panels(self.w2.data, ops.PANEL))
         self.w13 = None
         self.w2 = None
@@ -150,7 +149,7 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
         weights = topk_weights.reshape(-1).to(torch.float32)
         if self.packed is not None:  # each token's weighted rows come back summed (in float32)
-            x = hidden.to(self.weight_dtype).contiguous()
+            x = hidden.to(self.packed[0].dtype).contiguous()
             out = moe_ops().experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
             return out.to(hidden.dtype)
         token_of = order // k

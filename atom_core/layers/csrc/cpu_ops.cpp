@@ -104,7 +104,6 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-
 // x: [rows, 2 * d] = [gate | up] -> out [rows, d] = silu(gate) * up, rounded as
 // F.silu(gate) * up: silu(g) = g / (1 + exp(-g)) in float32, rounded to T, then the product
 // of the two T values in float32, rounded to T. torch's silu (one thread) takes each row's

@@ -4,7 +4,7 @@
 //
 // The GEMMs are oneDNN's batch-reduce micro-kernel as torch exports it
 // (`at::native::cpublas::brgemm`), over weights packed at load time in panels of NB output
-// columns (`pack_experts`): a panel is K x NB values in one contiguous run (bfloat16 as
+// columns (`moe.pack_panels`): a panel is K x NB values in one contiguous run (bfloat16 as
 // VNNI pairs along K), small enough to stay in L2 while every block of rows passes over
 // it, and read from memory exactly once per expert. Against oneDNN's packed linear on
 // the same experts, single-threaded with the weights streamed from memory, this read
