@@ -63,7 +63,9 @@ class SpeculativeConfig:
     own) is at least `min_acceptance_rate`; when even the first falls below it, drafting
     stops for `draft_retry_after` tokens, longer after each failed retry (0 disables the
     gate: always k). 0.5 keeps copy-heavy requests drafting and pauses free text's, whose
-    verify rows cost more than they return once a step holds several requests.
+    verify rows cost more than they return once a step holds several requests; pauses of
+    64 tokens (then 128, 256, ...) keep the probes of a request whose drafts do not pay
+    to a few rows.
     """
 
     method: str = attrs.field(default="mtp", validator=_name)
@@ -74,7 +76,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = attrs.field(default=4, validator=positive)
     verifier: str = attrs.field(default="rejection", validator=_name)
     min_acceptance_rate: float = attrs.field(default=0.5, validator=_rate)
-    draft_retry_after: int = attrs.field(default=16, validator=positive)
+    draft_retry_after: int = attrs.field(default=64, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -394,6 +394,8 @@ class ModelRunner:
         row_seqs = [seqs[batch.req_ids[i]] for i in rows]
         k, max_len = self.proposer.k, self.config.max_model_len
         limits = [wanted_drafts(s, len(t), k, max_len) for s, t in zip(row_seqs, tokens)]
+        if self.proposer.skips_idle_steps and not any(limits):
+            return {}
         query_start_loc = meta.query_start_loc_cpu
         # A sampling row's verified tokens end after its last accepted draft (whose successor
         # is the token just sampled); every other row keeps all its tokens.

@@ -54,7 +54,8 @@ class ProposalInput:
     on were rejected drafts: their KV is overwritten next step.
 
     The runner calls `propose` after every step, also when no row samples or none wants
-    drafts (`max_drafts` all 0), so that draft KV never falls behind the target's.
+    drafts (`max_drafts` all 0), so that draft KV never falls behind the target's (unless
+    the proposer sets `skips_idle_steps`).
     """
 
     seqs: list[Sequence]
@@ -88,6 +89,9 @@ class Proposer:
 
     num_draft_layers: int = 0
     aux_hidden_layers: tuple[int, ...] = ()
+    # True for a proposer with nothing to keep up to date (no KV layers, no state fed
+    # token by token): the runner skips `propose` when no row wants drafts.
+    skips_idle_steps: bool = False
 
     def __init__(self, runner: Any, spec_config: Any):
         self.runner = runner
@@ -192,16 +196,21 @@ class DraftGate:
 
     Verifying a draft costs a row of compute whether or not it is accepted; how much
     depends on the batch (next to nothing at batch 1, where a step streams the weights
-    anyway; about a plain token's cost at batch 8), and so does what pays. Nothing here
-    looks at other requests, so a seeded request generates the same tokens alone or
-    batched: the gate tracks, per draft position j, an exponential average of whether
-    position j was accepted when drafted, and drafts the longest run of positions whose
-    average is at least `min_rate` (all k at first; a closed position opens again, on
-    probation, when every draft before it is accepted). When even the first falls below
-    it, the request stops drafting for `retry_after` tokens, then resumes on probation
-    with a single draft (its average restarted at `min_rate`, so one more miss pauses it
-    again); each pause that follows a failed probation lasts twice the one before (up to
-    16x), so a request whose drafts never pay costs a probe row rarely.
+    anyway; about a plain token's cost at batch 8, where the GEMMs are compute-bound and
+    an accepted draft only moves a row earlier), and so does what pays. Nothing here looks
+    at other requests, so a seeded request generates the same tokens alone or batched.
+
+    The gate tracks, per draft position j, an exponential average of whether position j
+    was accepted when drafted, and drafts the longest run of positions whose average is at
+    least `min_rate`. A new request drafts all k: the first position trusted (one miss
+    leaves it open), the others on probation (at `min_rate`: one miss closes each), so
+    free text, where a lookup's first drafts are usually wrong, stops paying for more than
+    one after its first miss. When every draft of a step is accepted, all closed positions
+    open again on probation. When even the first position falls below `min_rate`, the
+    request stops drafting for `retry_after` tokens, then probes with a single draft (its
+    average restarted at `min_rate`, so one more miss pauses it again); each pause that
+    follows a failed probe lasts twice the one before (up to 16x), so a request whose
+    drafts never pay costs a probe row rarely.
     """
 
     min_rate: float
@@ -218,8 +227,10 @@ class DraftGate:
             return 0
         if self.min_rate <= 0:
             return k
-        if len(self.accept) < k:  # positions never drafted start trusted
-            self.accept.extend([1.0] * (k - len(self.accept)))
+        if not self.accept:  # the first position trusted, the rest on probation
+            self.accept = [1.0]
+        if len(self.accept) < k:
+            self.accept.extend([self.min_rate] * (k - len(self.accept)))
         n = 0
         while n < k and self.accept[n] >= self.min_rate:
             n += 1
@@ -239,5 +250,6 @@ class DraftGate:
             self.accept = [self.min_rate] + [0.0] * (len(self.accept) - 1)
             return
         self.pause = 0
-        if num_accepted == num_drafted < len(self.accept):  # every draft taken: try one more position
-            self.accept[num_drafted] = max(self.accept[num_drafted], self.min_rate)
+        if num_accepted == num_drafted < len(self.accept):  # every draft taken: open the rest on probation
+            for j in range(num_drafted, len(self.accept)):
+                self.accept[j] = max(self.accept[j], self.min_rate)

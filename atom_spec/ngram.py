@@ -33,6 +33,8 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 
 class NgramProposer(Proposer):
+    skips_idle_steps = True  # reads only the request's tokens
+
     def __init__(self, runner, spec_config):
         super().__init__(runner, spec_config)
         self.min_n = spec_config.prompt_lookup_min

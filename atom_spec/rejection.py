@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from atom_core.layers.ops import argmax
 from atom_core.sampler import SamplingMetadata, _mix, processed_probs
 
 __all__ = ["RejectionSampler"]
@@ -89,15 +90,24 @@ class RejectionSampler:
         _check(logits, draft_token_ids, draft_probs, meta, sizes)
         if not num_reqs:
             return []
-        dev = logits.device
         starts = list(accumulate(sizes, initial=0))[:-1]
+        greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
+        if all(greedy):  # the common case, in plain lists: a few tensor ops cost more than the step's compares
+            target = argmax(logits).tolist()
+            out = []
+            for s, ds in zip(starts, draft_token_ids):
+                a = 0
+                while a < len(ds) and ds[a] == target[s + a]:
+                    a += 1
+                out.append(ds[:a] + [target[s + a]])
+            return out
+        dev = logits.device
         total = len(flat)
         drafts = torch.tensor(flat, device=dev)
         seg = torch.repeat_interleave(torch.arange(num_reqs, device=dev), torch.tensor(sizes, device=dev))
 
-        target = logits.argmax(dim=-1)
+        target = argmax(logits)  # the plain Sampler's argmax: the same first maximum on ties
         accept = target == drafts  # the greedy rule; sampled requests' rows are replaced below
-        greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
         sampled = [i for i in range(num_reqs) if not greedy[i]]
         if sampled:
             rows, local, p = self._accept_sampled(logits, drafts, seg, greedy, sampled, sizes, draft_probs, meta)

@@ -157,6 +157,27 @@ def test_requests_whose_drafts_fail_stop_drafting(llama, plain, oracle):
     assert engine.get_spec_stats()["num_drafts"] == len(plain)
 
 
+@pytest.mark.parametrize("skips", [False, True])
+def test_a_proposer_is_called_every_step_unless_it_skips_idle_ones(llama, plain, oracle, monkeypatch, skips):
+    """A proposer with state to keep (KV of its own) sees every step, also when no request
+    wants drafts; one that sets `skips_idle_steps` (prompt lookup) is spared those calls."""
+    calls = []
+    monkeypatch.setattr(WrongProposer, "skips_idle_steps", skips)
+    original = WrongProposer.propose
+
+    def propose(self, inp):
+        calls.append(max(inp.max_drafts, default=0))
+        return original(self, inp)
+
+    monkeypatch.setattr(WrongProposer, "propose", propose)
+    spec = dict(method="wrong", num_speculative_tokens=2, min_acceptance_rate=0.6, draft_retry_after=1000)
+    tokens, engine = generate(llama, copy_heavy_prompts(), speculative_config=spec)
+    assert tokens == plain
+    assert calls and (0 in calls) != skips  # every request paused after its first miss: idle steps follow
+    if not skips:
+        assert len(calls) == engine.timings["steps"]
+
+
 def test_a_stop_inside_an_accepted_run_ends_the_request_there(llama, plain, oracle):
     prompt, ref = copy_heavy_prompts()[0], plain[0]
     j = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])  # a token first seen at j
@@ -270,18 +291,18 @@ def test_draft_gate_opens_positions_as_they_pay_and_backs_off_when_they_do_not()
     from atom_core.speculative import DraftGate
 
     gate, done = DraftGate(min_rate=0.5, retry_after=4), 0
-    assert gate.drafts(3, done) == 3  # positions never drafted are trusted
-    gate.record(3, 3, done)
-    gate.record(3, 2, done)  # the third rejected: its average falls to 0.5, still open
+    assert gate.drafts(3, done) == 3  # a new request drafts all k
+    gate.record(3, 1, done)  # positions past the first start on probation: one miss closes them
+    assert gate.accept == [1.0, 0.25, 0.25] and gate.drafts(3, done) == 1
+    gate.record(1, 1, done)  # every draft taken: the closed positions open on probation
     assert gate.drafts(3, done) == 3
-    gate.record(3, 2, done)  # again: 0.25, closed
+    gate.record(3, 2, done)  # the third rejected: closed again
     assert gate.drafts(3, done) == 2
-    gate.record(2, 2, done)  # both taken: the third position on probation
+    gate.record(2, 2, done)  # both taken: the third back on probation
     assert gate.drafts(3, done) == 3
-    gate.record(3, 1, done)
-    gate.record(2, 1, done)  # the second rejected twice: only the first stays open
-    assert gate.drafts(3, done) == 1
-    gate.record(1, 0, done)  # a miss brings the first to 0.5: still drafting
+    gate.record(3, 1, done)  # the second rejected: its average 0.875 -> 0.44, closed
+    assert gate.accept[1] < 0.5 and gate.drafts(3, done) == 1
+    gate.record(1, 0, done)  # the first position was trusted: one miss leaves it open
     assert gate.drafts(3, done) == 1
     pauses = []
     for _ in range(4):  # the first position fails: paused, then one probe, the pause doubling
@@ -294,6 +315,20 @@ def test_draft_gate_opens_positions_as_they_pay_and_backs_off_when_they_do_not()
     gate.record(1, 0, done)
     assert gate.paused_until - done == 64 == 16 * gate.retry_after  # capped
     done = gate.paused_until
-    gate.record(gate.drafts(3, done), 1, done)  # the probe pays: pauses start over
-    assert gate.pause == 0 and gate.drafts(3, done) == 2
+    gate.record(gate.drafts(3, done), 1, done)  # the probe pays: pauses start over, every position reopens
+    assert gate.pause == 0 and gate.drafts(3, done) == 3
     assert DraftGate(min_rate=0, retry_after=4).drafts(3, 0) == 3  # no gate
+
+
+def test_a_free_text_request_pays_one_round_of_k_drafts_then_one_at_a_time():
+    """What the gate costs a request whose drafts miss: k rows once, then single probes."""
+    from atom_core.speculative import DraftGate
+
+    gate, done, rows = DraftGate(min_rate=0.5, retry_after=64), 0, []
+    while done < 200:
+        n = gate.drafts(4, done)
+        if n:
+            gate.record(n, 0, done + 1)
+            rows.append(n)
+        done += 1
+    assert rows == [4, 1, 1, 1]  # trusted start, one more miss pauses 64 tokens, probes pause 128
