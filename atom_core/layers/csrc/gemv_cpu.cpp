@@ -272,24 +272,29 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
       _mm_prefetch(reinterpret_cast<const char*>(tg + PREFETCH_GROUPS * GROUP_BYTES + off), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(dt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(mt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
-    __m512i even[MB], odd[MB];  // two chains of integer sums a row: exact, so their split is free
-    for (int m = 0; m < MB; ++m) even[m] = odd[m] = _mm512_setzero_si512();
+    // Chains of integer sums a row: exact, so how they are split is free. A single row gets
+    // four, or the dpwssd latency (not the weight stream) would set the pace: a 1-row LM
+    // head ran slower than a 2-row one.
+    constexpr int CH = MB == 1 ? 4 : 2;
+    __m512i sums[MB][CH];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < CH; ++c) sums[m][c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       __m512i w[4];
       load_w<BITS>(tg, j, w);
       for (int m = 0; m < MB; ++m) {
         const int32_t* xp = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + m) * K + g * 32) + 4 * j;
-        even[m] = _mm512_dpwssd_epi32(even[m], w[0], _mm512_set1_epi32(xp[0]));
-        odd[m] = _mm512_dpwssd_epi32(odd[m], w[1], _mm512_set1_epi32(xp[1]));
-        even[m] = _mm512_dpwssd_epi32(even[m], w[2], _mm512_set1_epi32(xp[2]));
-        odd[m] = _mm512_dpwssd_epi32(odd[m], w[3], _mm512_set1_epi32(xp[3]));
+        for (int h = 0; h < 4; ++h)
+          sums[m][h % CH] = _mm512_dpwssd_epi32(sums[m][h % CH], w[h], _mm512_set1_epi32(xp[h]));
       }
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + g * 16)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + g * 16)));
     for (int m = 0; m < MB; ++m) {
       const int64_t xg = (m0 + m) * groups + g;
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[m], odd[m]));
+      __m512i total = sums[m][0];
+      for (int c = 1; c < CH; ++c) total = _mm512_add_epi32(total, sums[m][c]);
+      const __m512 dot = _mm512_cvtepi32_ps(total);
       acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xs.scale[xg])), acc[m]);
       acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs.sum[xg]), acc[m]);
     }
