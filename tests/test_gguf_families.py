@@ -22,7 +22,8 @@ from safetensors.torch import load_file  # noqa: E402
 from atom_core import SamplingParams, hookimpl  # noqa: E402
 from atom_core.gguf_arch import GGUFArchitecture  # noqa: E402
 from atom_core.gguf_loader import gguf_to_hf_folder, load_gguf  # noqa: E402
-from atom_core.layers.quant import load_blocks  # noqa: E402
+from atom_core.layers import FusedMoE  # noqa: E402
+from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, load_blocks  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from atom_core.loader import GGUF_BLOCKS_FILE  # noqa: E402
 from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
@@ -129,10 +130,15 @@ def test_expert_and_permuted_blocks_are_exported_exactly(converted, tmp_path):
     experts = {f"model.layers.1.block_sparse_moe.experts.{e}.w{i}.weight" for e in range(8) for i in (1, 2, 3)}
     assert experts <= quantized
 
-    out = LLMEngine(path, dtype="float32", quantization="auto", **ENGINE).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
-    )
+    engine = LLMEngine(path, dtype="float32", quantization="auto", **ENGINE)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(r["token_ids"]) == 4 for r in out)
+    # the experts run from their Q8_0 blocks too, expert by expert
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.w13 is None for m in moes)
+    kernels = [kernel for m in moes for pair in m.expert_gemms for _, kernel in pair]
+    # groups of 32 stream through Atom's kernel; a K of 32 is one group a row: torch's per-channel one
+    assert all(isinstance(k, Int8PackGemm) or (isinstance(k, StreamingGroupGemm) and k.bits == 8) for k in kernels)
 
 
 def test_a_plugin_adds_a_gguf_architecture(converted, tmp_path, plugin_manager):

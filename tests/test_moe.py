@@ -292,6 +292,33 @@ def test_packed_experts_against_float64(dtype, hidden, inter):
     torch.testing.assert_close(out.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("inter", [96, 40])  # 40: the down projection's K is no multiple of 32 (per channel)
+def test_quantized_experts_against_float64_of_their_dequantized_weights(mode, tokens, inter):
+    from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, _quantize
+
+    moe = make_moe(hidden=64, inter=inter)
+    moe.quant = tuple([_quantize(w, mode, 32) for w in param] for param in (moe.w13, moe.w2))
+    reference = make_moe(hidden=64, inter=inter)  # the same shapes, holding the dequantized weights
+    with torch.no_grad():
+        reference.w13.copy_(torch.stack([q.dequantize() for q in moe.quant[0]]))
+        reference.w2.copy_(torch.stack([q.dequantize() for q in moe.quant[1]]))
+    moe.process_weights_after_loading()
+    assert moe.w13 is None and moe.w2 is None and moe.quant is None  # the kernels hold the weights
+    (_, w13), (_, w2) = moe.expert_gemms[0]
+    assert isinstance(w13, StreamingGroupGemm) and w13.bits == (4 if mode == "int4" else 8)
+    assert isinstance(w2, StreamingGroupGemm if inter % 32 == 0 else Int8PackGemm)
+    x = torch.randn(tokens, 64)
+    w, ids = select_experts(torch.randn(tokens, 8), 3, renormalize=True)
+    out = moe(x, w, ids)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    ref = per_token_loop(reference, x, w, ids)
+    # activations rounded to int16 per group (bfloat16 for the per-channel 8-bit kernel)
+    tol = 2e-3 if inter % 32 == 0 else 3e-2
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="'gelu'"):
         FusedMoE(4, 8, 8, activation="gelu")

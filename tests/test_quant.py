@@ -413,6 +413,25 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
     assert rel < (0.3 if mode == "int4" else 0.03), rel  # random weights: int4 groups of 32 are 8% noise a layer
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_int4_quantizes_moe_experts_expert_by_expert(tmp_path, arch):
+    from model_utils import build_tiny_model
+
+    from atom_core.layers import FusedMoE
+
+    build_tiny_model(arch, tmp_path)
+    kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    engine = LLMEngine(tmp_path, quantization="int4", **kw)
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.w13 is None and m.w2 is None and len(m.expert_gemms) == m.num_experts for m in moes)
+    kernels = [kernel for m in moes for pair in m.expert_gemms for _, kernel in pair]
+    assert all(isinstance(k, StreamingGroupGemm) and k.bits == 4 for k in kernels)
+    ref = last_logits(LLMEngine(tmp_path, **kw), PROMPTS)
+    out = last_logits(engine, PROMPTS)
+    rel = ((out - ref).norm(dim=1) / ref.norm(dim=1)).max()
+    assert rel < 0.3, rel  # random weights: int4 groups of 32 are 8% noise a layer
+
+
 def test_layers_the_group_does_not_divide_go_per_channel(tmp_path, caplog):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, dict.fromkeys((*LINEAR_KINDS, "embd", "output"), Q.F32), tied=False)
@@ -425,6 +444,19 @@ def test_layers_the_group_does_not_divide_go_per_channel(tmp_path, caplog):
     assert isinstance(layer.mlp.down_proj.packed_weight, Int4PackGemm)  # in_features 128
     expected = "not a multiple of quantization_group_size 128: model.layers.0.self_attn.qkv_proj (in_features 64)"
     assert expected in caplog.text
+
+
+@pytest.mark.parametrize("k", [8, 12, 40, 136, 48])
+def test_per_channel_int8_at_any_width(k):
+    """torch's int8 kernel reads K in steps of 16 (other widths gave garbage or crashed): the
+    weight and x are padded with zeros, so any width matches the dequantized product."""
+    qw = quantize_int8(weight(24, k, seed=k))
+    kernel = Int8PackGemm(qw)
+    x = torch.randn(5, k)
+    ref = x.bfloat16().double() @ qw.dequantize().double().T  # the kernel takes bfloat16 activations
+    out = kernel(x).double()
+    assert out.shape == (5, 24)
+    assert (out - ref).abs().max() <= 2 * BF16_U * ref.abs().max() * 4, (out - ref).abs().max()
 
 
 def test_bad_quantization_settings_name_the_field():

@@ -11,7 +11,8 @@ columns for oneDNN's batch-reduce micro-kernel, and a C++ loop (`csrc/moe_cpu.cp
 whole experts to threads, each expert's gather, GEMMs, activation and weighting fused in
 one pass: 1.6-2x faster than giving every small GEMM all the threads, and than oneDNN's
 packed linear per expert at every row count (figures in the kernel's header). Elsewhere a
-Python loop over the active experts does the same work with `F.linear`.
+Python loop over the active experts does the same work with `F.linear`, or with each
+expert's quantized kernels when `Config.quantization` quantized them (`quant`).
 
 Checkpoints store experts one by one (`experts.{e}.gate_proj.weight`, Mixtral's
 `experts.{e}.w1.weight`); `FusedMoE.checkpoint_mapping` turns those names into
@@ -33,6 +34,7 @@ from torch import nn
 
 from atom_core.layers.cpp import load_extension
 from atom_core.layers.ops import silu_and_mul
+from atom_core.layers.quant import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
 
 __all__ = ["FusedMoE", "ExpertNameMapper", "ROUTERS", "register_router", "select_experts"]
@@ -128,10 +130,26 @@ class FusedMoE(nn.Module):
             param.data[shard[1], first : first + rows].copy_(loaded)
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
+    # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
+    quant: tuple[list, list] | None = None
+    # Per expert ((gemm, weight) for w13, (gemm, weight) for w2), as `Linear` keeps its own:
+    # quantized kernels, else slices of the stacks for `F.linear`.
+    expert_gemms: list | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the stacks into the C++ loop's panels where it runs; the copies replace them."""
-        if self.packed is not None:
+        """Pack the stacks into the C++ loop's panels where it runs; the copies replace them.
+
+        Quantized experts take `pick_quantized_gemm`'s kernels instead (at a decode step the
+        active experts' weights are streamed from memory, so their bytes set the pace)."""
+        if self.packed is not None or self.expert_gemms is not None:
+            return
+        if self.quant is not None:
+            device, dtype = self.w13.device, self.w13.dtype
+            self.expert_gemms = [
+                (pick_quantized_gemm(q13, device, dtype), pick_quantized_gemm(q2, device, dtype))
+                for q13, q2 in zip(*self.quant)
+            ]
+            self.quant = self.w13 = self.w2 = None  # the kernels hold their own copies
             return
         if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16):
             return
@@ -153,13 +171,18 @@ class FusedMoE(nn.Module):
             out = moe_ops().experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
             return out.to(hidden.dtype)
         token_of = order // k
-        x = hidden.index_select(0, token_of).to(self.w13.dtype)
+        gemms = self.expert_gemms
+        x = hidden.index_select(0, token_of)
+        if gemms is None:
+            gemms = [((F.linear, self.w13[e]), (F.linear, self.w2[e])) for e in range(self.num_experts)]
+            x = x.to(self.w13.dtype)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 end = start + n
-                out[start:end] = F.linear(silu_and_mul(F.linear(x[start:end], self.w13[e])), self.w2[e])
+                (gemm13, w13), (gemm2, w2) = gemms[e]
+                out[start:end] = gemm2(silu_and_mul(gemm13(x[start:end], w13, None)), w2, None)
                 start = end
         weighted = out.to(torch.float32).mul_(weights[order].unsqueeze(1))
         acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden.device)

@@ -295,18 +295,26 @@ class StreamingGroupGemm:
 
 
 class Int8PackGemm:
-    """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel."""
+    """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel.
+
+    The kernel reads K in steps of 16: at other widths it returned garbage or crashed
+    (torch 2.13, CPU), so K is padded with zero columns, and x with zeros to match.
+    """
+
+    K_STEP = 16
 
     def __init__(self, qw: QuantizedWeight):
         n, k = qw.shape
         if qw.bits != 8 or qw.group_size != k:
             raise ValueError(f"torch's int8 kernel takes one scale per output channel, not {qw.format}")
         self.out_features, self.in_features = n, k
-        self.qweight = qw.qweight.contiguous()
+        self.pad = -k % self.K_STEP
+        self.qweight = F.pad(qw.qweight, (0, self.pad)).contiguous()
         self.scales = qw.scales.reshape(n).to(KERNEL_DTYPE)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        a = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        a = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        a = (F.pad(a, (0, self.pad)) if self.pad else a).contiguous()
         out = torch._weight_int8pack_mm(a, self.qweight, self.scales)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -429,6 +437,20 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and getattr(m, "quantizable", True)}
 
 
+def quantizable_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Every `FusedMoE` by name: each expert's two matrices are linear layers too."""
+    from atom_core.layers.moe import FusedMoE
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE) and getattr(m, "quantizable", True)}
+
+
+def _quantize(weight: torch.Tensor, mode: str, group: int) -> QuantizedWeight:
+    """`mode` ("int8" / "int4") in groups of `group`, or 8 bits per output channel where `group` does not divide K."""
+    if weight.shape[1] % group:
+        return quantize_int8(weight)
+    return quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight, group)
+
+
 def _is_lm_head(name: str, module: nn.Module, tied_ids: set[int]) -> bool:
     """The output projection: named `lm_head` (Hugging Face's name) or sharing an embedding's weight."""
     return name.rpartition(".")[2] == "lm_head" or id(module.weight) in tied_ids
@@ -443,12 +465,14 @@ def quantize_model(model: nn.Module, config: Any) -> None:
     "int8" / "int4": every layer is quantized from its loaded weight in groups of
     `quantization_group_size` (8 bits symmetric, 4 bits with zeros), the LM head as
     `quantize_lm_head` says. Per output channel instead where the group does not divide K.
+    MoE experts (`FusedMoE.quant`) are quantized expert by expert like any other layer.
     An embedding tied to a quantized LM head then looks its rows up in the quantized weight.
     """
     mode = config.quantization
     if mode == "none":
         return
     linears = quantizable_linears(model)
+    experts = quantizable_experts(model)
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     tied_ids = {id(m.weight) for m in embeddings.values()}
     if mode == "auto":
@@ -457,7 +481,7 @@ def quantize_model(model: nn.Module, config: Any) -> None:
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
             return  # not converted from GGUF: the checkpoint's weights as they are
-        _from_gguf(model, blocks, linears, tied_ids, config)
+        _from_gguf(model, blocks, linears, experts, tied_ids, config)
     else:
         head_mode = config.quantize_lm_head
         group = config.quantization_group_size
@@ -469,11 +493,12 @@ def quantize_model(model: nn.Module, config: Any) -> None:
                 continue
             if module.in_features % group:
                 per_channel.append(f"{name} (in_features {module.in_features})")
-                module.quant = quantize_int8(module.weight)
-            elif layer_mode == "int8":
-                module.quant = quantize_int8(module.weight, group)
-            else:
-                module.quant = quantize_int4(module.weight, group)
+            module.quant = _quantize(module.weight, layer_mode, group)
+        for name, module in experts.items():
+            for param in (module.w13, module.w2):
+                if param.shape[2] % group:
+                    per_channel.append(f"{name} experts (in_features {param.shape[2]})")
+            module.quant = tuple([_quantize(w, mode, group) for w in param] for param in (module.w13, module.w2))
         if per_channel:
             logger.warning(
                 "atom: %d layers quantized to int8 per output channel, their in_features not a multiple of "
@@ -524,10 +549,12 @@ def _requantized(weight: torch.Tensor, gguf_type: str) -> QuantizedWeight:
 
 
 def _from_gguf(
-    model: nn.Module, blocks: Path, linears: dict[str, nn.Module], tied_ids: set[int], config: Any
+    model: nn.Module, blocks: Path, linears: dict[str, nn.Module], experts: dict[str, nn.Module],
+    tied_ids: set[int], config: Any,
 ) -> None:
-    """Each Linear's blocks from the converted GGUF: stacked as they are where every shard has
-    a kernel format (one for all), requantized from the loaded float weight otherwise."""
+    """Each Linear's (and each expert's) blocks from the converted GGUF: stacked as they are
+    where every shard has a kernel format (one for all), requantized from the loaded float
+    weight otherwise."""
     from atom_core.loader import checkpoint_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -541,6 +568,22 @@ def _from_gguf(
 
     kept: dict[str, int] = {}
     requantized: dict[str, list[str]] = {}
+
+    def from_blocks(name: str, parts: list, weight: torch.Tensor) -> QuantizedWeight | None:
+        """One weight from its shards' blocks (in row order); None where the file holds it in float."""
+        types = {p[0] for p in parts if p is not None}
+        if types & set(_FLOAT_GGUF) or any(p is None for p in parts):
+            return None  # float in the file: loaded as it is
+        exact = [p[1] for p in parts]
+        if all(q is not None for q in exact) and len({(q.bits, q.group_size) for q in exact}) == 1:
+            for t in [p[0] for p in parts]:
+                kept[t] = kept.get(t, 0) + 1
+            return QuantizedWeight.cat(exact) if len(exact) > 1 else exact[0]
+        # a type no kernel takes as it is, or shards in different formats: requantize the whole
+        qw = _requantized(weight, max(types, key=_gguf_bits))
+        requantized.setdefault(f"{'/'.join(sorted(types))} -> {qw.format}", []).append(name)
+        return qw
+
     for name, module in linears.items():
         shards = by_param.get(id(module.weight))
         if not shards:
@@ -549,18 +592,16 @@ def _from_gguf(
             continue
         offsets = getattr(module, "shard_offsets", None)  # a MergedLinear: its shards in row order
         order = sorted(offsets, key=lambda s: offsets[s][0]) if offsets else [None]
-        parts = [shards.get(s) for s in order]
-        types = {p[0] for p in parts if p is not None}
-        if types & set(_FLOAT_GGUF) or any(p is None for p in parts):
-            continue  # float in the file: loaded as it is
-        exact = [p[1] for p in parts]
-        if all(q is not None for q in exact) and len({(q.bits, q.group_size) for q in exact}) == 1:
-            module.quant = QuantizedWeight.cat(exact) if len(exact) > 1 else exact[0]
-            for t in [p[0] for p in parts]:
-                kept[t] = kept.get(t, 0) + 1
-        else:  # a type no kernel takes as it is, or shards in different formats: requantize the whole
-            module.quant = _requantized(module.weight, max(types, key=_gguf_bits))
-            requantized.setdefault(f"{'/'.join(sorted(types))} -> {module.quant.format}", []).append(name)
+        module.quant = from_blocks(name, [shards.get(s) for s in order], module.weight)
+    for name, module in experts.items():
+        w13, w2 = by_param.get(id(module.w13), {}), by_param.get(id(module.w2), {})
+        quant = (
+            [from_blocks(f"{name}.{e}.w13", [w13.get(("gate", e)), w13.get(("up", e))], module.w13[e])
+             for e in range(module.num_experts)],
+            [from_blocks(f"{name}.{e}.w2", [w2.get(("down", e))], module.w2[e]) for e in range(module.num_experts)],
+        )  # fmt: skip
+        if all(q is not None for q in quant[0] + quant[1]):  # one format for the whole layer, or float
+            module.quant = quant
     if kept:
         logger.info("atom: %s: kept %s as 4/8-bit weights", source,
                     ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))  # fmt: skip
