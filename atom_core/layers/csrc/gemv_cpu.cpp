@@ -9,7 +9,7 @@
 // prefetcher following each contiguous row: on the 2025 EPYC this runs on, 11-27% faster
 // than walking several rows side by side with every line prefetched, which had won on the
 // earlier machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 3-8
-// rows) R rows go side by side, so that each load of x serves R of them. x stays in
+// rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
 // L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
 // bfloat16 too, else widened exactly), one chain per output in k order in both layouts,
 // and each output rounds once to the activation dtype.
@@ -119,7 +119,7 @@ void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_
   // x serves R rows, the next R rows prefetched line by line. Every output is one chain of
   // products in k order whatever M and R: a row of x computes alike at 1 to 8 rows.
   constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 2;
-  constexpr int R = STREAM ? 1 : (M <= 4 ? 3 : 2);
+  constexpr int R = STREAM ? 1 : 3;
   float part[M * R];
   int64_t n = begin;
   auto store = [&](int rows) {
