@@ -4,11 +4,11 @@
 // times, so the kernel's job is to keep the memory bus busy. oneDNN's packed GEMM reads
 // SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine. Each thread takes a
 // contiguous run of output rows. Where the weight stream is the limit (bfloat16 weights
-// at 1-8 rows, float32 at 1-2) the thread reads them one whole row after another, with the
+// at 1-8 rows, float32 at 1-3) the thread reads them one whole row after another, with the
 // first cache line of the row PREFETCH_ROWS ahead requested early and the hardware
 // prefetcher following each contiguous row: on the 2025 EPYC this runs on, 11-27% faster
 // than walking several rows side by side with every line prefetched, which had won on the
-// earlier machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 3-8
+// earlier machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 4-8
 // rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
 // L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
 // bfloat16 too, else widened exactly), one chain per output in k order in both layouts,
@@ -118,7 +118,7 @@ void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_
   // (contiguous) stream. More rows of x: R weight rows side by side, so that each load of
   // x serves R rows, the next R rows prefetched line by line. Every output is one chain of
   // products in k order whatever M and R: a row of x computes alike at 1 to 8 rows.
-  constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 2;
+  constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 3;
   constexpr int R = STREAM ? 1 : 3;
   float part[M * R];
   int64_t n = begin;
