@@ -132,8 +132,8 @@ class FusedMoE(nn.Module):
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
     quant: tuple[list, list] | None = None
-    # Per expert ((gemm, weight) for w13, (gemm, weight) for w2), as `Linear` keeps its own:
-    # quantized kernels, else slices of the stacks for `F.linear`.
+    # Per expert ((gemm, weight) for w13, (gemm, weight) for w2) from the quantized kernels,
+    # as `Linear` keeps its own (`_expert_gemms` falls back to `F.linear` on the stacks).
     expert_gemms: list | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -171,22 +171,27 @@ class FusedMoE(nn.Module):
             out = moe_ops().experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
             return out.to(hidden.dtype)
         token_of = order // k
-        gemms = self.expert_gemms
         x = hidden.index_select(0, token_of)
-        if gemms is None:
-            gemms = [((F.linear, self.w13[e]), (F.linear, self.w2[e])) for e in range(self.num_experts)]
+        if self.expert_gemms is None:
             x = x.to(self.w13.dtype)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n:
                 end = start + n
-                (gemm13, w13), (gemm2, w2) = gemms[e]
+                (gemm13, w13), (gemm2, w2) = self._expert_gemms(e)
                 out[start:end] = gemm2(silu_and_mul(gemm13(x[start:end], w13, None)), w2, None)
                 start = end
         weighted = out.to(torch.float32).mul_(weights[order].unsqueeze(1))
         acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden.device)
         return acc.index_add_(0, token_of, weighted).to(hidden.dtype)
+
+    def _expert_gemms(self, e: int) -> tuple[tuple, tuple]:
+        """Expert e's ((gemm, weight) for w13, (gemm, weight) for w2): its quantized kernels, or
+        `F.linear` on slices of the stacks (taken only for the experts a step uses)."""
+        if self.expert_gemms is not None:
+            return self.expert_gemms[e]
+        return (F.linear, self.w13[e]), (F.linear, self.w2[e])
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"

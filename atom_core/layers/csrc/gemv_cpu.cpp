@@ -6,7 +6,7 @@
 // contiguous run of output rows. Where the weight stream is the limit (bfloat16 weights
 // at 1-8 rows, float32 at 1-3) the thread reads them one whole row after another, with the
 // first cache line of the row PREFETCH_ROWS ahead requested early and the hardware
-// prefetcher following each contiguous row: on the 2025 EPYC this runs on, 11-27% faster
+// prefetcher following each contiguous row: on the EPYC this was measured on, 11-27% faster
 // than walking several rows side by side with every line prefetched, which had won on the
 // earlier machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 4-8
 // rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
@@ -113,11 +113,12 @@ constexpr int64_t PREFETCH_ROWS = 4;
 // float (x widened once) or, with bfloat16 weights and activations, bfloat16 itself.
 template <typename W, typename X, typename T, int M>
 void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_t ldy, int64_t begin, int64_t end) {
-  // Up to 4 rows of x: one weight row at a time, its first cache line prefetched
-  // PREFETCH_ROWS rows ahead and the hardware prefetcher following the rest of the
-  // (contiguous) stream. More rows of x: R weight rows side by side, so that each load of
-  // x serves R rows, the next R rows prefetched line by line. Every output is one chain of
-  // products in k order whatever M and R: a row of x computes alike at 1 to 8 rows.
+  // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 3 rows of
+  // x): one weight row at a time, its first cache line prefetched PREFETCH_ROWS rows ahead
+  // and the hardware prefetcher following the rest of the (contiguous) stream. Otherwise R
+  // weight rows side by side, so that each load of x serves R rows, the next R rows
+  // prefetched line by line. Every output is one chain of products in k order whatever M
+  // and R: a row of x computes alike at 1 to 8 rows.
   constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 3;
   constexpr int R = STREAM ? 1 : 3;
   float part[M * R];
