@@ -4,11 +4,10 @@
 // times, so the kernel's job is to keep the memory bus busy. oneDNN's packed GEMM reads
 // SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine. Each thread takes a
 // contiguous run of output rows. Where the weight stream is the limit (bfloat16 weights
-// at 1-8 rows, float32 at 1-3) the thread reads them one whole row after another, with the
-// first cache line of the row PREFETCH_ROWS ahead requested early and the hardware
-// prefetcher following each contiguous row: on the EPYC this was measured on, 11-27% faster
-// than walking several rows side by side with every line prefetched, which had won on the
-// earlier machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 4-8
+// at 1-8 rows, float32 at 1-3) the thread reads them one whole row after another, each line
+// prefetched (non-temporal) PREFETCH_ROWS rows ahead: on the EPYC this was measured on,
+// 11-27% faster than walking several rows side by side, which had won on the earlier
+// machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 4-8
 // rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
 // L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
 // bfloat16 too, else widened exactly), one chain per output in k order in both layouts,
@@ -48,8 +47,22 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// How many rows ahead a streamed weight row is prefetched.
+constexpr int64_t PREFETCH_ROWS = 4;
+
+// The cache line at `p` one stride ahead. Streaming (one weight row after another): the line
+// PREFETCH_ROWS rows ahead, non-temporal, so that the weights, read once a step, do not
+// evict from L2 and L3 what the rest of the step works on (the interpreter, the small
+// tensors of norms and attention): batch-1 decode 6% faster in bfloat16, 4% at 4 bits,
+// level in float32. Side by side: the next tile's rows, into L2.
+template <bool STREAM, int R, typename W>
+inline void prefetch_line(const W* p, int64_t ldw) {
+  if constexpr (STREAM) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * ldw), _MM_HINT_NTA);
+  else _mm_prefetch(reinterpret_cast<const char*>(p + R * ldw), _MM_HINT_T1);
+}
+
 // R weight rows starting at `w` against the M rows of x: out[m * R + r] = sum_k x[m][k] * w[r][k].
-template <typename W, int M, int R, bool PF>
+template <typename W, int M, int R, bool STREAM>
 inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* out) {
   __m512 acc[R][M];
   UNROLL for (int r = 0; r < R; ++r)
@@ -58,8 +71,7 @@ inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* out)
   for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
     UNROLL for (int r = 0; r < R; ++r) {
-      if (PF && (sizeof(W) == 4 || (k & 31) == 0))  // a cache line of the next tile's rows
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + k), _MM_HINT_T1);
+      if (sizeof(W) == 4 || (k & 31) == 0) prefetch_line<STREAM, R>(w + r * ldw + k, ldw);
       wv[r] = load16(w + r * ldw + k);
     }
     UNROLL for (int m = 0; m < M; ++m) {
@@ -82,7 +94,7 @@ inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* out)
 
 // bfloat16 weights against bfloat16 activations: pairs of exact products summed in float32
 // (`vdpbf16ps`), 32 weights per instruction; xb is x as bfloat16, K padded to even.
-template <int M, int R, bool PF>
+template <int M, int R, bool STREAM>
 inline void tile_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w, int64_t ldw, float* out) {
   __m512 acc[R][M];
   UNROLL for (int r = 0; r < R; ++r)
@@ -91,7 +103,7 @@ inline void tile_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[R];
     UNROLL for (int r = 0; r < R; ++r) {
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * ldw + k), _MM_HINT_T1);  // the next tile
+      prefetch_line<STREAM, R>(w + r * ldw + k, ldw);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
     }
     UNROLL for (int m = 0; m < M; ++m) {
@@ -112,16 +124,12 @@ inline void tile_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w
     UNROLL for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// How many rows ahead a streamed weight row's first cache line is prefetched.
-constexpr int64_t PREFETCH_ROWS = 4;
-
 // Rows [begin, end) of w for all M rows of x, written to y (dtype T, row stride ldy). X is
 // float (x widened once) or, with bfloat16 weights and activations, bfloat16 itself.
 template <typename W, typename X, typename T, int M>
 void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_t ldy, int64_t begin, int64_t end) {
   // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 3 rows of
-  // x): one weight row at a time, its first cache line prefetched PREFETCH_ROWS rows ahead
-  // and the hardware prefetcher following the rest of the (contiguous) stream. Otherwise R
+  // x): one weight row at a time, each line prefetched PREFETCH_ROWS rows ahead. Otherwise R
   // weight rows side by side, so that each load of x serves R rows, the next R rows
   // prefetched line by line. Every output is one chain of products in k order whatever M
   // and R: a row of x computes alike at 1 to 8 rows.
@@ -135,12 +143,10 @@ void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_
   };
   auto run = [&](auto rows_tag, const W* wr, float* out) {
     constexpr int RT = decltype(rows_tag)::value;
-    if constexpr (std::is_same_v<X, c10::BFloat16>) tile_bf16<M, RT, !STREAM>(x, K, wr, K, out);
-    else tile<W, M, RT, !STREAM>(x, K, wr, K, out);
+    if constexpr (std::is_same_v<X, c10::BFloat16>) tile_bf16<M, RT, STREAM>(x, K, wr, K, out);
+    else tile<W, M, RT, STREAM>(x, K, wr, K, out);
   };
   for (; n + R <= end; n += R) {
-    if (STREAM && n + PREFETCH_ROWS < end)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * K), _MM_HINT_T0);
     run(std::integral_constant<int, R>{}, w + n * K, part);
     store(R);
   }
@@ -290,7 +296,7 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* tg = wt + g * GROUP_BYTES;
     for (int64_t off = 0; off < GROUP_BYTES; off += 64)  // a few groups ahead: the tile is one stream
-      _mm_prefetch(reinterpret_cast<const char*>(tg + PREFETCH_GROUPS * GROUP_BYTES + off), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(tg + PREFETCH_GROUPS * GROUP_BYTES + off), _MM_HINT_NTA);
     _mm_prefetch(reinterpret_cast<const char*>(dt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(mt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
     // Chains of integer sums a row: exact, so how they are split is free. A single row gets
