@@ -96,6 +96,25 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
 
 
 @needs_gemv
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])  # fmt: skip
+def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype):
+    """Bit for bit: a row's output does not depend on how many rows share the call, across
+    both layouts (one weight row at a time, and 3 side by side for float32 at 4-8 rows)."""
+    ops = gemv_ops()
+    gen = torch.Generator().manual_seed(2)
+    for n, k in [(131, 576), (1000, 47)]:
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
+        b = torch.randn(n, generator=gen).to(xdtype)
+        x = torch.randn(int(ops.MAX_ROWS), k, generator=gen).to(xdtype)
+        alone = [ops.gemv(x[i : i + 1], w, b) for i in range(len(x))]
+        for rows in range(2, len(x) + 1):
+            out = ops.gemv(x[:rows], w, b)
+            for i in range(rows):
+                assert torch.equal(out[i : i + 1], alone[i]), (rows, i)
+
+
+@needs_gemv
 def test_streaming_gemv_refuses_what_it_cannot_take():
     ops = gemv_ops()
     with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
