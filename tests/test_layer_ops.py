@@ -138,3 +138,30 @@ def test_argmax_matches_torch_first_maximum_and_nan(dtype):
         assert argmax(y).tolist() == y.argmax(dim=-1).tolist() == [5, at]
     strided = torch.randn(4, 64, generator=gen).to(dtype)[:, 3:40]  # rows apart in memory
     assert torch.equal(argmax(strided), strided.argmax(dim=-1))
+
+
+def test_near_max_matches_its_torch_definition():
+    """The logits ExactTopLogits recomputes: the C++ pass against the torch ops it replaced,
+    with margins from none to most of a row, ties at the threshold, NaN and infinite rows."""
+    from atom_core.layers.ops import near_max
+
+    def reference(x, base, eps):
+        top = x.max(dim=1).values
+        error = eps * (base + top.abs() + 1.0)
+        return (x >= (top - 2 * error).unsqueeze(1)).nonzero(as_tuple=True)
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, n in [(1, 49152), (3, 17), (8, 1000), (2, 16), (1, 1)]:
+        x = torch.randn(rows, n, generator=gen) * 4
+        for base, eps in [(torch.zeros(rows), 0.0), (torch.rand(rows, generator=gen) * 15, 2.0**-8), (torch.full((rows,), 1e3), 0.01)]:
+            got, want = near_max(x, base, eps), reference(x, base, eps)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, n, eps)
+    x = torch.full((4, 40), -5.0)
+    x[0, [3, 20, 33]] = 2.0  # ties at the maximum, in the vector part and the tail
+    x[1, 7] = float("nan")
+    x[2, :] = -float("inf")
+    x[3, 39] = float("inf")  # an infinite maximum makes the margin NaN: no entries, as in torch
+    rows, cols = near_max(x, torch.zeros(4), 0.0)
+    assert (rows.tolist(), cols.tolist()) == ([0, 0, 0], [3, 20, 33])
+    want = reference(x, torch.zeros(4), 0.0)
+    assert rows.tolist() == want[0].tolist() and cols.tolist() == want[1].tolist()

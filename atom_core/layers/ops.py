@@ -116,3 +116,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ops is not None and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return ops.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def near_max(x: torch.Tensor, base: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the entries of float32 `x` [rows, n] with x >= m - 2 e, where m is the
+    row's maximum and e = eps * (base + |m| + 1): the logits an LM head's error bound cannot
+    rule out as the maximum (`quant.ExactTopLogits`). C++ on CPU, one pass per row."""
+    ops = _native(x)
+    if ops is not None and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+        return ops.near_max_rows(x, base.to(torch.float32).contiguous(), eps)
+    top = x.max(dim=1).values
+    error = eps * (base + top.abs() + 1.0)
+    return (x >= (top - 2 * error).unsqueeze(1)).nonzero(as_tuple=True)

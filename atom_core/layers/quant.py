@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.layers.ops import near_max
+
 logger = logging.getLogger("atom")
 
 # Activations the torch CPU kernels take (and the precision their scales are held in).
@@ -352,9 +354,7 @@ class ExactTopLogits:
             return out  # bfloat16 activations: logits are no better than the kernel's anyway
         x2 = x.reshape(-1, x.shape[-1])
         out = out.reshape(x2.shape[0], -1).to(torch.float32)
-        top = out.max(dim=1).values
-        error = self.EPS * (x2.norm(dim=1) * self.row_bound + top.abs() + 1.0)
-        rows, cols = (out >= (top - 2 * error).unsqueeze(1)).nonzero(as_tuple=True)
+        rows, cols = near_max(out, x2.norm(dim=1) * self.row_bound, self.EPS)
         exact = (x2[rows] * self.qw.dequantize(torch.float32, rows=cols)).sum(dim=1)
         out[rows, cols] = exact
         return out.reshape(*x.shape[:-1], -1)
