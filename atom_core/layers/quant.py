@@ -354,7 +354,7 @@ class ExactTopLogits:
             return out  # bfloat16 activations: logits are no better than the kernel's anyway
         x2 = x.reshape(-1, x.shape[-1])
         out = out.reshape(x2.shape[0], -1).to(torch.float32)
-        rows, cols = near_max(out, x2.norm(dim=1) * self.row_bound, self.EPS)
+        rows, cols = near_max(out, torch.linalg.vector_norm(x2, dim=1) * self.row_bound, self.EPS)
         exact = (x2[rows] * self.qw.dequantize(torch.float32, rows=cols)).sum(dim=1)
         out[rows, cols] = exact
         return out.reshape(*x.shape[:-1], -1)
