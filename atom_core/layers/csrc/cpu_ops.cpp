@@ -213,11 +213,12 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 // maximum (and whether it holds a NaN), then where that value first appears.
 namespace {
 
+// A row's maximum (-inf for an empty row) and whether it holds a NaN.
 template <typename T>
-int64_t argmax_row(const T* x, int64_t n) {
+float row_max(const T* x, int64_t n, bool& nan) {
   int64_t i = 0;
   float best = -INFINITY;
-  bool nan = false;
+  nan = false;
 #ifdef __AVX512F__
   if constexpr (std::is_same_v<T, float>) {
     __m512 m = _mm512_set1_ps(-INFINITY);
@@ -236,7 +237,14 @@ int64_t argmax_row(const T* x, int64_t n) {
     nan |= v != v;
     best = std::max(best, v);
   }
-  i = 0;
+  return best;
+}
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  bool nan;
+  const float best = row_max(x, n, nan);
+  int64_t i = 0;
   if (nan) {
     while (atom::to_float(x[i]) == atom::to_float(x[i])) ++i;
     return i;
@@ -287,28 +295,12 @@ std::tuple<at::Tensor, at::Tensor> near_max_rows(const at::Tensor& x, const at::
   std::vector<int64_t> hit_rows, hit_cols;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x.data_ptr<float>() + r * stride;
-    float top = -INFINITY;
-    bool nan = false;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    __mmask16 unordered = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      m = _mm512_max_ps(m, v);
-    }
-    top = _mm512_reduce_max_ps(m);
-    nan = unordered != 0;
-#endif
-    for (; i < n; ++i) {
-      nan |= row[i] != row[i];
-      top = std::max(top, row[i]);
-    }
+    bool nan;
+    const float top = row_max(row, n, nan);
     if (nan || n == 0) continue;
     const float err = e * ((b[r] + std::fabs(top)) + 1.0f);
     const float threshold = top - 2.0f * err;
-    i = 0;
+    int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 t = _mm512_set1_ps(threshold);
     for (; i + 16 <= n; i += 16) {
