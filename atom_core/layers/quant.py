@@ -370,6 +370,14 @@ def quantized_linear(
     return out if bias is None else out.add_(bias)
 
 
+def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: torch.Tensor | None) -> torch.Tensor:
+    """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
+    decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
+    if x.dim() == 2 and bias is None:
+        return kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None)
+    return quantized_linear(x, kernel, bias)
+
+
 def _cpu_kernels_available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
 
@@ -394,7 +402,9 @@ def pick_quantized_gemm(
                 kernel = StreamingGroupGemm(qw, ops)
             else:
                 kernel = Int4PackGemm(qw)
-            return quantized_linear, ExactTopLogits(kernel, qw) if exact_top else kernel
+            if exact_top:
+                return quantized_linear, ExactTopLogits(kernel, qw)
+            return (streaming_group_linear if isinstance(kernel, StreamingGroupGemm) else quantized_linear), kernel
         except (ValueError, RuntimeError) as exc:
             reason = str(exc)
     else:
