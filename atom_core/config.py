@@ -66,6 +66,14 @@ class SpeculativeConfig:
     verify rows cost more than they return once a step holds several requests; pauses of
     64 tokens (then 128, 256, ...) keep the probes of a request whose drafts do not pay
     to a few rows.
+
+    `disable_by_batch_size` (vLLM's): greedy requests do not draft after a step that ran at
+    least this many requests. Once a step's GEMMs are compute-bound (on a CPU, from a few
+    rows) a verified draft costs about a token's compute, accepted or not, and only
+    requests whose drafts are nearly always right still pay. Greedy tokens do not depend
+    on drafting, so looking at the batch cannot change them; sampled requests keep
+    deciding from their own history alone, so a seeded one still gives the same tokens
+    alone or batched. None: never.
     """
 
     method: str = attrs.field(default="mtp", validator=_name)
@@ -77,6 +85,7 @@ class SpeculativeConfig:
     verifier: str = attrs.field(default="rejection", validator=_name)
     min_acceptance_rate: float = attrs.field(default=0.5, validator=_rate)
     draft_retry_after: int = attrs.field(default=64, validator=positive)
+    disable_by_batch_size: int | None = attrs.field(default=None, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:

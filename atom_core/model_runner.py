@@ -31,7 +31,7 @@ from atom_core.plugins import get_registry
 from atom_core.sampler import SamplingMetadata
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sequence import Sequence
-from atom_core.speculative import ProposalInput, Proposer, wanted_drafts
+from atom_core.speculative import ProposalInput, Proposer, crowded, wanted_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of free host memory the KV pool takes when neither kv_cache_memory nor
@@ -393,7 +393,8 @@ class ModelRunner:
             return {}
         row_seqs = [seqs[batch.req_ids[i]] for i in rows]
         k, max_len = self.proposer.k, self.config.max_model_len
-        limits = [wanted_drafts(s, len(t), k, max_len) for s, t in zip(row_seqs, tokens)]
+        busy = crowded(self.config.speculative_config, len(batch.req_ids))
+        limits = [wanted_drafts(s, len(t), k, max_len, busy) for s, t in zip(row_seqs, tokens)]
         if self.proposer.skips_idle_steps and not any(limits):
             return {}
         query_start_loc = meta.query_start_loc_cpu

@@ -20,7 +20,7 @@ from atom_core.config import Config
 from atom_core.policy import SchedulingPolicy, StepBuilder
 from atom_core.request import RequestOutput
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
-from atom_core.speculative import DraftGate, SpecStats, wanted_drafts
+from atom_core.speculative import DraftGate, SpecStats, crowded, wanted_drafts
 
 logger = logging.getLogger("atom")
 
@@ -343,6 +343,8 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, stream, and free finished requests."""
         if isinstance(seqs, dict):
             seqs = seqs.values()
+        elif not hasattr(seqs, "__len__"):
+            seqs = list(seqs)
         now = time.perf_counter()
         finished: list[Sequence] = []
         outputs: list[RequestOutput] = []
@@ -351,6 +353,7 @@ class Scheduler:
         get_tokens = fwd_output.token_ids.get
         running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
         stats, verified = self.spec_stats, False
+        busy = crowded(self.config.speculative_config, len(seqs)) if drafts else False
         prompt_logprobs, logprobs = fwd_output.prompt_logprobs, fwd_output.logprobs
         for seq in seqs:
             if prompt_logprobs and seq.id in prompt_logprobs and seq.status is running:
@@ -385,7 +388,7 @@ class Scheduler:
             seq.num_computed_tokens = seq._num_tokens - 1  # all but the token just sampled (drafts rejected)
             seq.spec_token_ids, seq.spec_token_probs = [], None
             if reason is None and seq.id in drafts:
-                n = wanted_drafts(seq, 0, self.mtp_k, self.max_model_len)
+                n = wanted_drafts(seq, 0, self.mtp_k, self.max_model_len, busy)
                 seq.spec_token_ids = list(drafts[seq.id][:n])
                 probs = draft_probs.get(seq.id)
                 if probs is not None and seq.spec_token_ids:

@@ -127,12 +127,26 @@ def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int |
     return max(0, min(k, left, room))
 
 
-def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:
-    """`draft_limit`, capped by what the request's gate allows (0 while it has paused drafting)."""
+def wanted_drafts(
+    seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None, crowded: bool = False
+) -> int:
+    """`draft_limit`, capped by what the request's gate allows (0 while it has paused drafting).
+
+    `crowded`: the step ran `disable_by_batch_size` requests or more, which stops greedy
+    requests' drafts (their tokens are the same either way; a sampled request's are not).
+    """
+    if crowded and seq.sampling_params.is_greedy:
+        return 0
     gate = seq.draft_gate
     if gate is not None:
         k = gate.drafts(k, seq.num_completion_tokens + num_new_tokens)
     return draft_limit(seq, num_new_tokens, k, max_model_len)
+
+
+def crowded(spec_config: Any, batch_size: int) -> bool:
+    """Whether a step of `batch_size` requests stops greedy drafting (`disable_by_batch_size`)."""
+    limit = spec_config.disable_by_batch_size if spec_config is not None else None
+    return limit is not None and batch_size >= limit
 
 
 @attrs.define

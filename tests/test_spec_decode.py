@@ -209,7 +209,33 @@ def test_a_seeded_sampled_request_is_the_same_alone_or_batched(llama):
     assert engine.get_spec_stats()["num_drafts"] > 0
 
 
+def test_greedy_requests_do_not_draft_in_steps_of_disable_by_batch_size_requests(llama, plain, oracle):
+    """vLLM's `disable_by_batch_size`, for greedy requests: their tokens are the same either
+    way. A sampled request keeps its own gate, so a seeded one is the same alone or batched."""
+    prompts = copy_heavy_prompts()
+    spec = dict(method="oracle", num_speculative_tokens=2, disable_by_batch_size=2)
+    # All requests run together to the end (ignore_eos, same max_tokens): no step holds fewer than two.
+    tokens, engine = generate(llama, prompts, speculative_config=spec)
+    assert tokens == plain and engine.get_spec_stats()["num_drafts"] == 0
+    tokens, engine = generate(llama, prompts[:1], speculative_config=spec)  # alone: it drafts
+    assert tokens == plain[:1] and engine.get_spec_stats()["num_drafts"] > 0
+
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=NEW, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    alone, engine = generate(llama, prompts[:1], seeded, speculative_config=spec)
+    drafts_alone = engine.get_spec_stats()["num_drafts"]
+    assert drafts_alone > 0
+    engine = LLMEngine(llama, dtype="float32", max_model_len=256, num_kvcache_blocks=64, speculative_config=spec)
+    out = engine.generate(prompts, [seeded] + [greedy] * (len(prompts) - 1), use_tqdm=False)
+    assert out[0]["token_ids"] == alone[0]
+    assert [r["token_ids"] for r in out[1:]] == plain[1:]
+    assert engine.get_spec_stats()["num_drafts"] == drafts_alone  # the sampled request's, and no other's
+    assert engine.scheduler.block_manager.num_free_blocks == 64
+
+
 def test_speculative_config_errors_name_the_problem(llama):
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        LLMEngine(llama, speculative_config=dict(method="ngram", disable_by_batch_size=0))
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLMEngine(llama, speculative_config=dict(method="ngram", prompt_lookup_min=5, prompt_lookup_max=2))
     with pytest.raises(Exception, match="no_such_method"):
