@@ -115,7 +115,9 @@ class ModelRunner:
             t: builders.get(t)(self, layers) for t, layers in by_type.items()
         }
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
-        self.num_kvcache_blocks = self._size_kv_pool()
+        # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
+        policy_cls = get_registry("scheduler_policies", pm).get(config.scheduling_policy)
+        self.num_kvcache_blocks = self._size_kv_pool(len(policy_cls.reserved_blocks))
         self.kv_cache_tensors: dict[str, torch.Tensor] = {}
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
@@ -175,8 +177,9 @@ class ModelRunner:
 
     # -- KV pool -------------------------------------------------------------------------
 
-    def _size_kv_pool(self) -> int:
-        """Blocks for the paged pool, after the per-request state groups and checkpoints have taken their share."""
+    def _size_kv_pool(self, reserved: int = 0) -> int:
+        """Blocks for the paged pool, after the per-request state groups and checkpoints have taken
+        their share; `reserved` of them are the policy's and hold no request."""
         cfg, bs = self.config, self.block_size
         block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
         # Stateful attention (GDN) keeps one group of per-request state outside the pool;
@@ -204,7 +207,9 @@ class ModelRunner:
                     "to 1 or more, or enable_prefix_caching=False"
                 )
             self.num_state_checkpoints = cfg.gdn_checkpoint_slots
-        per_request = -(-cfg.max_model_len // bs) + cfg.num_speculative_tokens  # blocks for one full request
+        per_request = -(-cfg.max_model_len // bs)  # blocks for one full request (drafts stay inside them)
+        # and for one with blocks for the k draft positions past its tokens too, which it takes only when free
+        per_request_with_drafts = -(-(cfg.max_model_len + cfg.num_speculative_tokens) // bs)
         if cfg.num_kvcache_blocks is not None:
             num_blocks = cfg.num_kvcache_blocks
             source = f"num_kvcache_blocks={num_blocks}"
@@ -220,8 +225,8 @@ class ModelRunner:
             checkpoints = self.num_state_checkpoints
             checkpoints_total = checkpoints * self.checkpoint_bytes
             groups_total = self.num_per_req_cache_groups * group_bytes + checkpoints_total
-            if group_bytes and budget - groups_total < per_request * block_bytes:
-                fit = max(0, (budget - per_request * block_bytes - checkpoints_total) // group_bytes)
+            if group_bytes and budget - groups_total < (per_request + reserved) * block_bytes:
+                fit = max(0, (budget - (per_request + reserved) * block_bytes - checkpoints_total) // group_bytes)
                 also, beside, lower = "", "", groups_field
                 if checkpoints:
                     also = (
@@ -237,12 +242,13 @@ class ModelRunner:
                 )
             num_blocks = (budget - groups_total) // max(block_bytes, 1)
             # More than every running request at full length can never be used.
-            num_blocks = min(num_blocks, cfg.max_num_seqs * per_request)
-        if num_blocks < per_request:
+            num_blocks = min(num_blocks, cfg.max_num_seqs * per_request_with_drafts + reserved)
+        if num_blocks - reserved < per_request:
+            beside = f" beside the {reserved} the {cfg.scheduling_policy!r} policy reserves" if reserved else ""
             raise ValueError(
                 f"the KV pool from {source} holds {num_blocks} blocks of {bs} tokens "
                 f"({block_bytes} bytes each), fewer than the {per_request} blocks one request of "
-                f"max_model_len={cfg.max_model_len} tokens needs; raise kv_cache_memory or "
+                f"max_model_len={cfg.max_model_len} tokens needs{beside}; raise kv_cache_memory or "
                 f"num_kvcache_blocks, or lower max_model_len"
             )
         self.block_bytes = block_bytes

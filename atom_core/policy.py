@@ -138,7 +138,7 @@ class StepBuilder:
             return 0
         if seq.type is SequenceType.DECODE:  # the last token and its drafts
             n = 1 + len(seq.spec_token_ids)
-            if self.seqs and n > self.budget:
+            if n > self.budget:  # the first row too: a step stays within the budget
                 if self.budget < 1:
                     return 0
                 n = self.budget  # verify fewer drafts rather than skip the request

@@ -156,6 +156,12 @@ def test_configuration_errors_name_the_problem(tiny):
         LLMEngine(tiny[0], max_batch=4)
     with pytest.raises(ValueError, match="fewer than the 8 blocks one request of max_model_len=128"):
         LLMEngine(tiny[0], num_kvcache_blocks=4, max_model_len=128)
+    # spyre keeps block 0 for padding: 8 blocks hold 7 for requests
+    with pytest.raises(ValueError, match="fewer than the 8 blocks .* beside the 1 the 'spyre' policy reserves"):
+        LLMEngine(tiny[0], num_kvcache_blocks=8, max_model_len=128, scheduling_policy="spyre")
+    LLMEngine(tiny[0], num_kvcache_blocks=9, max_model_len=128, scheduling_policy="spyre")
+    # drafts stay inside the blocks of max_model_len tokens: 8 blocks serve k=4 drafts too
+    LLMEngine(tiny[0], num_kvcache_blocks=8, max_model_len=128, speculative_config=dict(method="ngram", num_speculative_tokens=4))
     with pytest.raises(ValueError, match="max_model_len=1024 exceeds the model's max_position_embeddings=512"):
         LLMEngine(tiny[0], max_model_len=1024)
     with pytest.raises(ValueError, match="dtype must be one of"):

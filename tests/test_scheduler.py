@@ -402,6 +402,19 @@ def test_speculative_decode_reserves_slots_and_counts_acceptance():
     assert a.spec_token_ids == []
 
 
+def test_a_verify_step_trims_drafts_to_the_token_budget_even_in_its_first_row():
+    sched = make_scheduler(
+        speculative_config=SpeculativeConfig(num_speculative_tokens=4), max_num_batched_tokens=2, eos_token_id=None
+    )
+    a = make_seq(2, max_tokens=20)
+    sched.add(a)
+    for _ in range(3):
+        batch, seqs = sched.schedule()
+        assert sum(batch.num_scheduled_tokens) <= 2
+        sched.postprocess(seqs, ScheduledBatchOutput({a.id: (7,)}, {a.id: [7, 7, 7, 7]}))
+    assert batch.num_scheduled_tokens == [2] and batch.scheduled_spec_decode_tokens == {a.id: [7]}
+
+
 def test_what_schedule_returns_for_each_queue_state():
     sched = make_scheduler(num_kvcache_blocks=4)
     assert sched.schedule() is None and sched.is_finished()  # neither queue

@@ -80,18 +80,19 @@ class Harness:
         k = 0 if policy == "spyre" else cfg["k"]  # spyre refuses speculative decoding
         spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
         self.k = k
-        self.chunked = cfg.get("chunked", False) or policy == "spyre"
-        self.budget = cfg["max_num_batched_tokens"]
+        self.chunked = cfg.get("chunked", False) or policy == "spyre"  # spyre always chunks
+        # a spyre step runs a whole chunk, of one block at least, within the budget
+        self.budget = max(cfg["max_num_batched_tokens"], self.bs if policy == "spyre" else 1)
         self.sched = Scheduler(
             Config(
                 scheduling_policy=policy,
-                enable_chunked_prefill=cfg.get("chunked", False),
+                enable_chunked_prefill=self.chunked,
                 long_prefill_token_threshold=cfg.get("threshold", 0) if self.bs > 1 else 0,
                 num_kvcache_blocks=num_blocks,
                 kv_cache_block_size=self.bs,
                 enable_prefix_caching=cfg["enable_prefix_caching"],
                 max_num_seqs=cfg["max_num_seqs"],
-                max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                max_num_batched_tokens=self.budget,
                 num_per_req_cache_groups=cfg["groups"],
                 gdn_checkpoint_slots=cfg.get("checkpoints", 0),
                 max_model_len=cfg["max_model_len"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from atom_core import Config, ScheduledBatchOutput, Scheduler, SpeculativeConfig
@@ -141,10 +143,14 @@ def test_volumetric_example_from_the_seed_defers_the_prefill():
     sched.add(new)
     policy = sched.policy
     decoding = [a, b, c]
+    rows = policy.decode_rows(new, decoding)  # (position at the next decode, decode steps left)
+    assert rows == [(14, 386), (13, 397), (12, 408), (41, 386)]
     # At the next decode the new request would need 3 blocks: every other row is padded to 3.
-    # Last tkvs: new 41 + 385 = 426; a 46 + 385 = 431 (+16), b 45 + 396 (+16), c 44 + 407 (+16).
-    assert policy.projected_tkvs(new, decoding) == [426, 447, 457, 467]
-    assert batch_tkv_volume([426, 447, 457, 467]) == 4 * 426 == 1704 > 1536
+    # Last tkvs: new 41 + 385 = 426 (the seed's figure); a 46 + 385 = 431, b 441, c 451.
+    assert policy._last_tkvs(rows) == [431, 441, 451, 426]
+    # While all four run, the max tkv is a's, 431 at its last step (the seed counts the new
+    # request's 426): 4 x 431 = 1,724 > 1,536.
+    assert batch_tkv_volume(rows, BS) == 4 * 431 == 1724
     assert not policy.last_chunk_fits(new, decoding)
     trace = []
     while new.num_computed_tokens == 0:
@@ -155,10 +161,42 @@ def test_volumetric_example_from_the_seed_defers_the_prefill():
     assert len(trace) == 387  # a had 386 tokens left to generate
 
 
-def test_batch_tkv_volume_walks_the_finishing_order():
-    assert batch_tkv_volume([100]) == 100
-    assert batch_tkv_volume([500, 100, 300]) == max(3 * 100, 2 * 300, 500)
-    assert batch_tkv_volume([]) == 0
+def stepped_volume(rows, bs):
+    """batch_tkv_volume by its definition: every decode step ahead, one at a time."""
+    peak = 0
+    for t in range(1, max((r for _, r in rows), default=0) + 1):
+        pos = [p + t - 1 for p, r in rows if r >= t]
+        width = max(-(-q // bs) for q in pos)
+        peak = max(peak, len(pos) * max((width - -(-q // bs)) * bs + q for q in pos))
+    return peak
+
+
+def test_batch_tkv_volume_is_the_largest_product_of_the_steps_ahead():
+    assert batch_tkv_volume([], BS) == 0
+    assert batch_tkv_volume([(10, 5)], BS) == 14  # alone: no padding, its last position
+    # A short request beside a longer context: while both run the max tkv is the longer one's
+    # (44 at the short one's last step, 2 x 44 = 88), not the short one's own last tkv (39).
+    assert batch_tkv_volume([(41, 15), (4, 4)], BS) == 2 * 44
+    rng = random.Random(0)
+    for _ in range(2000):
+        bs = rng.choice([1, 4, 16])
+        rows = [(rng.randint(1, 80), rng.randint(1, 60)) for _ in range(rng.randint(1, 6))]
+        assert batch_tkv_volume(rows, bs) == stepped_volume(rows, bs), (rows, bs)
+
+
+def test_the_volume_limit_holds_at_every_decode_step():
+    """A request admitted beside a longer context must count that context's tkv, not its own."""
+    for limit, requests in ((88, [(40, 17), (3, 5)]), (600, None), (400, None)):
+        rng = random.Random(limit)
+        requests = requests or [(rng.randint(1, 120), rng.randint(2, 80)) for _ in range(6)]
+        sched = spyre(max_batch_tkv_limit=limit, max_model_len=512, max_num_seqs=4)
+        seqs = [make_seq(n, start=1000 * i, max_tokens=m) for i, (n, m) in enumerate(requests)]
+        for seq in seqs:
+            sched.add(seq)
+        for batch in drain(sched):
+            if kind(batch) == "D":
+                assert len(batch.req_ids) * max(batch.tkvs) <= limit, (batch.req_ids, batch.tkvs)
+        assert all(s.is_finished and s.leave_reason == "max_tokens" for s in seqs)
 
 
 def test_max_model_len_holds_back_the_last_chunk_while_realignment_would_overflow():
@@ -270,3 +308,10 @@ def test_spyre_refuses_speculative_decoding_and_requests_over_the_volume():
     seq = make_seq(50, max_tokens=60)
     sched.add(seq)
     assert seq.is_finished and "max_batch_tkv_limit=100" in seq.leave_reason
+
+
+def test_configurations_spyre_cannot_run_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="prefill_chunk_size=128.* exceeds max_num_batched_tokens=32"):
+        spyre(prefill_chunk_size=128, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False is not supported"):
+        spyre(enable_chunked_prefill=False)

@@ -11,7 +11,10 @@ seed document's words:
 - First chunk: a free slot under `max_num_seqs` and no other prefill in progress.
   Last chunk: room in the decode batch, every request's last tkv within
   `max_model_len` once the new request has realigned the batch, and the volumetric
-  check `batch_size x max_tkv <= max_batch_tkv_limit` over the projected finishing order.
+  check `batch_size x max_tkv <= max_batch_tkv_limit` at every decode step ahead as the
+  batch shrinks in its finishing order (evaluated exactly: the seed's per-request
+  projection lets the product pass the limit when a short request runs beside a longer
+  context, as sendnn-inference's later slack acknowledges).
 - Padding: a prompt is right-padded to a block boundary and left-padded with whole
   blocks to a multiple of the chunk size; at decode every row is left-padded with
   whole blocks to the widest request's block count. Block 0 is the padding block.
@@ -32,15 +35,32 @@ from atom_core.sequence import Sequence
 PAD_BLOCK = 0
 
 
-def batch_tkv_volume(projected_tkvs: list[int]) -> int:
-    """The largest `batch_size x max_tkv` a batch reaches as its requests finish.
+def batch_tkv_volume(rows: list[tuple[int, int]], block_size: int) -> int:
+    """The largest `batch_size x max_tkv` of the decode steps ahead of a rectangular batch.
 
-    Requests finish in order of increasing projected tkv; while the k-th shortest is
-    still running, the batch holds it and every longer one, and its tkv is the max.
+    `rows`: per request (its position at the next decode step, how many decode steps it
+    has left). Each step every position grows by one and a request leaves after its last
+    step. A row's tkv is its offset in its last block plus the batch's width in whole
+    blocks before it, so max_tkv = (width - 1) * block_size + the largest offset, which
+    between two departures peaks at the last step or at the last step where some row's
+    block is full (then max_tkv = width * block_size): both are evaluated. The seed's
+    projection (each request's own last tkv, sorted) misses that while a short request
+    runs the batch's max tkv is another, longer-context request's.
     """
-    ordered = sorted(projected_tkvs)
-    n = len(ordered)
-    return max(((n - k) * v for k, v in enumerate(ordered)), default=0)
+    bs, peak, start = block_size, 0, 1
+    for end in sorted({r for _, r in rows}):
+        running = [p for p, r in rows if r >= end]
+
+        def max_tkv(t: int) -> int:
+            pos = [p + t - 1 for p in running]
+            return (max(-(-q // bs) for q in pos) - 1) * bs + max((q - 1) % bs + 1 for q in pos)
+
+        # each row's last step with a full last block, in this stretch
+        full = [t for t in (end - (p + end - 1) % bs for p in running) if t >= start]
+        steps = [end, max(full)] if full else [end]
+        peak = max(peak, len(running) * max(max_tkv(t) for t in steps))
+        start = end + 1
+    return peak
 
 
 class SpyrePolicy(SchedulingPolicy):
@@ -53,6 +73,17 @@ class SpyrePolicy(SchedulingPolicy):
             raise ValueError(
                 "scheduling_policy='spyre' does not support speculative decoding (sendnn-inference runs "
                 "exactly one token per request per decode step); unset speculative_config or pick another policy"
+            )
+        if not config.enable_chunked_prefill:
+            raise ValueError(
+                "scheduling_policy='spyre' always prefills in chunks of prefill_chunk_size (sendnn-inference's "
+                "chunked prefill); enable_chunked_prefill=False is not supported with it"
+            )
+        if config.chunk_size > config.max_num_batched_tokens:
+            raise ValueError(
+                f"the prefill chunk of {config.chunk_size} tokens (prefill_chunk_size={config.prefill_chunk_size}; "
+                f"unset: the budget floored to whole blocks, at least one) exceeds max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}: a spyre prefill step runs one whole chunk within the token budget"
             )
         self.block_size = config.kv_cache_block_size
         self.chunk_size = config.chunk_size
@@ -153,29 +184,25 @@ class SpyrePolicy(SchedulingPolicy):
         """Room in the decode batch, max_model_len and the volumetric limit, once `seq` joins."""
         if len(decoding) >= self.max_num_seqs:
             return False
-        rows = self._last_tkvs(seq, decoding)
-        if self.max_model_len is not None and any(t > self.max_model_len for t, _ in rows):
+        rows = self.decode_rows(seq, decoding)
+        if self.max_model_len is not None and any(t > self.max_model_len for t in self._last_tkvs(rows)):
             return False
-        return batch_tkv_volume([t + slack for t, slack in rows]) <= self.limit
+        return batch_tkv_volume(rows, self.block_size) <= self.limit
 
-    def projected_tkvs(self, seq: Sequence, decoding: list[Sequence]) -> list[int]:
-        """What the volumetric check walks: each request's last tkv once `seq` joins, a
-        decoding request's plus one block for a padding realignment, in finishing order."""
-        return sorted(t + slack for t, slack in self._last_tkvs(seq, decoding))
-
-    def _last_tkvs(self, seq: Sequence, decoding: list[Sequence]) -> list[tuple[int, int]]:
-        """(tkv at its last decode step, slack) per request, after `seq` realigns the batch.
-
-        At the next decode step a decoding request computes its last token, the new one
-        the token its last chunk samples; the rectangle is as wide as the widest of them.
-        """
-        bs = self.block_size
-        rows = [(s.num_tokens - 1, self.remaining(s), bs) for s in decoding]
+    def decode_rows(self, seq: Sequence, decoding: list[Sequence]) -> list[tuple[int, int]]:
+        """(position at the next decode step, decode steps left) per request once `seq` joins:
+        a decoding request computes its last token, the new one the token its last chunk samples."""
+        rows = [(s.num_tokens, self.remaining(s)) for s in decoding]
         new_remaining = self.remaining(seq, seq.num_tokens + 1, seq.num_completion_tokens + 1)
         if new_remaining > 0:
-            rows.append((seq.num_tokens, new_remaining, 0))
+            rows.append((seq.num_tokens + 1, new_remaining))
+        return rows
+
+    def _last_tkvs(self, rows: list[tuple[int, int]]) -> list[int]:
+        """Each request's tkv at its last decode step, in the rectangle the new request sets."""
         if not rows:
             return []
-        nblocks = [-(-(c + 1) // bs) for c, _, _ in rows]
+        bs = self.block_size
+        nblocks = [-(-p // bs) for p, _ in rows]
         width = max(nblocks)
-        return [((width - nb) * bs + c + r, slack) for (c, r, slack), nb in zip(rows, nblocks)]
+        return [(width - nb) * bs + p + r - 1 for (p, r), nb in zip(rows, nblocks)]
