@@ -42,7 +42,11 @@ def optional_token_id(inst: Any, attr: attrs.Attribute, value: Any) -> None:
 
 def token_id_list(value: Any) -> list[int]:
     """attrs converter for `stop_token_ids` (config and per request)."""
-    ids = list(value or [])
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {value!r}")
+    ids = list(value)
     for t in ids:
         if not _is_token_id(t):
             raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")

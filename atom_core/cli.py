@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"generate": _generate, "fetch": _fetch, "plugins": _plugins}[args.command](args)
-    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
+    except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
         print(f"atom: error: {e}", file=sys.stderr)
         return 2
 
@@ -76,10 +76,10 @@ def _generate(args: argparse.Namespace) -> int:
     for name in ("max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    engine = LLMEngine(args.model, **options)
-    params = SamplingParams(
+    params = SamplingParams(  # bad sampling flags fail before the model loads
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
+    engine = LLMEngine(args.model, **options)
     prompts = args.prompts or list(DEFAULT_PROMPTS)
     chat = not args.no_chat and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
     inputs = [engine.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]

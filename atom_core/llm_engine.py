@@ -67,6 +67,14 @@ class _Request:
     num_cached_tokens: int | None = None
 
 
+def _is_token_list(prompt: Any) -> bool:
+    """A list of token ids (ints, numpy integers), not a list of prompts."""
+    if not isinstance(prompt, SequenceABC) or isinstance(prompt, str) or len(prompt) == 0:
+        return False
+    first = prompt[0]
+    return not isinstance(first, (bool, str)) and hasattr(first, "__index__")
+
+
 class LLMEngine:
     """`LLMEngine(model=None, **config)`: keywords are `Config` fields (dtype, device, ...)."""
 
@@ -100,6 +108,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.scheduler.stop_string_check = self._hit_stop_string
         self._requests: dict[int, _Request] = {}
+        self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
         self.timings = self.runner.timings  # seconds per phase, summed over steps
 
     @staticmethod
@@ -203,7 +212,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[dict[str, Any]]:
-        """Run one scheduled batch; returns the results of requests that finished."""
+        """Run one scheduled batch; returns the results of requests that finished (also those
+        that finished inside a `generate` call that was not theirs)."""
+        results, self._held_results = self._held_results + self._step(), []
+        return results
+
+    def _step(self) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.timings["schedule"] += time.perf_counter() - t0
@@ -234,8 +248,10 @@ class LLMEngine:
         return results
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        # A stop string of n characters spans at most n tokens: decode only the tail.
-        window = max(len(s) for s in seq.stop_strings) + 4
+        # Every token carries at least one byte of text (a character may take several
+        # tokens: an emoji is three of a byte-level vocabulary), so a stop string of n
+        # UTF-8 bytes lies within the last n tokens: decode only the tail.
+        window = max(len(s.encode("utf-8")) for s in seq.stop_strings) + 4
         tail = self.tokenizer.decode(seq.completion_token_ids[-window:], skip_special_tokens=True)
         return any(s in tail for s in seq.stop_strings)
 
@@ -272,9 +288,14 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One result per prompt, in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """One result per prompt, in prompt order. Requests queued with `add_request` run
+        alongside; their results stay for `step()` to return."""
+        if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, SequenceABC):
+            raise TypeError(
+                f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -296,12 +317,14 @@ class LLMEngine:
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 while wanted - results.keys():
-                    for r in self.step():
-                        if r["request_id"] in wanted:
-                            results[r["request_id"]] = r
-                            num_tokens += len(r["token_ids"])
-                            bar.update(1)
-                            bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
+                    for r in self._step():
+                        if r["request_id"] not in wanted:  # added with add_request: step() hands it out
+                            self._held_results.append(r)
+                            continue
+                        results[r["request_id"]] = r
+                        num_tokens += len(r["token_ids"])
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
             except BaseException:
                 for rid in wanted - results.keys():  # leave nothing of ours in flight
                     self.abort(rid)

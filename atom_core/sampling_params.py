@@ -9,6 +9,9 @@ import attrs
 from atom_core._validators import token_id_list
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 def _temperature(inst: object, attr: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {value!r}")
@@ -22,6 +25,11 @@ def _top_k(inst: object, attr: attrs.Attribute, value: object) -> None:
 def _top_p(inst: object, attr: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {value!r}")
+
+
+def _flag(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attr.name} must be True or False, got {value!r}")
 
 
 def _max_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
@@ -55,7 +63,7 @@ class SamplingParams:
     top_k: int = attrs.field(default=-1, validator=_top_k)
     top_p: float = attrs.field(default=1.0, validator=_top_p)
     max_tokens: int = attrs.field(default=64, validator=_max_tokens)
-    ignore_eos: bool = False
+    ignore_eos: bool = attrs.field(default=False, validator=_flag)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
     # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
     # ignore_eos or not: vLLM's per-request stop_token_ids.
@@ -68,4 +76,6 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature below `GREEDY_TEMPERATURE` (vLLM's 1e-5) or top_k 1: the argmax. Dividing
+        float32 logits by a temperature near 1e-38 overflows them, and the softmax to NaN."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -69,7 +69,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.temperature = sampling_params.temperature
+        # 0 for every greedy request (a temperature under 1e-5, or top_k 1): samplers take its argmax
+        self.temperature = 0.0 if sampling_params.is_greedy else sampling_params.temperature
         self.top_k = sampling_params.top_k
         self.top_p = sampling_params.top_p
         self.max_tokens = sampling_params.max_tokens

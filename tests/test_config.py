@@ -92,6 +92,9 @@ def test_sampling_params_defaults():
         ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1, got 2.5"),
         ({"seed": "x"}, "seed must be an integer or None"),
         ({"stop_strings": ["ok", ""]}, "stop_strings must be non-empty strings"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+        ({"ignore_eos": None}, "ignore_eos must be True or False, got None"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, message):

@@ -45,6 +45,38 @@ def test_generate_returns_one_result_per_prompt_in_order(engine, tiny):
     assert engine.runner.dtype == torch.float32  # "auto" took the checkpoint's dtype
 
 
+def test_a_temperature_below_1e_5_is_greedy(engine, tiny):
+    """Dividing float32 logits by 1e-38 overflows them; such a request takes the argmax (vLLM's rule)."""
+    expected = [hf_greedy(tiny[1], p, 12) for p in PROMPTS]
+    for t in (1e-38, 1e-45, 1e-6):
+        params = SamplingParams(temperature=t, max_tokens=12, ignore_eos=True)
+        assert [r["token_ids"] for r in engine.generate(PROMPTS, params, use_tqdm=False)] == expected
+
+
+def test_generate_keeps_the_results_of_requests_added_before_it_for_step(engine, tiny):
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    [result] = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert result["token_ids"] == hf_greedy(tiny[1], PROMPTS[0], 12)
+    assert not engine.has_unfinished_requests()  # the other request ran alongside and finished
+    [held] = engine.step()
+    assert held["request_id"] == rid and held["token_ids"] == hf_greedy(tiny[1], PROMPTS[1], 12)
+    assert engine.step() == []
+
+
+def test_prompts_of_every_accepted_shape_and_clear_errors_for_the_rest(engine, tiny):
+    import numpy as np
+
+    expected = hf_greedy(tiny[1], PROMPTS[0], 12)
+    as_numpy_ints = [np.int64(t) for t in PROMPTS[0]]
+    assert engine.generate(as_numpy_ints, GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    assert engine.generate([as_numpy_ints], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids or a list of those, got NoneType"):
+        engine.generate(None, GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="got ndarray"):
+        engine.generate(np.array([[1, 2], [3, 4]]), GREEDY, use_tqdm=False)
+    assert engine.scheduler.block_manager.num_free_blocks == 32
+
+
 def test_one_sampling_params_per_prompt(engine, tiny):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 3)]
     results = engine.generate(PROMPTS, params, use_tqdm=False)

@@ -116,6 +116,30 @@ def test_stop_string_ends_the_request_and_trims_the_text(engine, prompts):
     assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
 
 
+def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engine):
+    """An emoji is three byte-level tokens: a stop string of three of them spans nine."""
+    from atom_core.sequence import Sequence
+
+    ids = engine.tokenizer.encode("🦒🦒🦒🦒", add_special_tokens=False)
+    assert len(ids) >= 12
+    seq = Sequence([1, 2, 3], 16, SamplingParams(stop_strings=["🦒🦒🦒"]))
+    for t in ids[:8]:
+        seq.append_token(t)
+        assert not engine._hit_stop_string(seq)
+    seq.append_token(ids[8])
+    assert engine._hit_stop_string(seq)
+
+
+def test_cli_refuses_bad_sampling_flags_before_loading_a_model(capsys, tmp_path):
+    from atom_core.cli import main
+
+    assert main(["generate", "--model", str(tmp_path / "no-such-model"), "--max-tokens", "0", "hi"]) == 2
+    assert "max_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("not json")
+    assert main(["generate", "--model", str(tmp_path), "hi"]) == 2  # a one-line error, not a traceback
+    assert "atom: error:" in capsys.readouterr().err
+
+
 def test_prefix_cache_serves_the_shared_chat_prefix(prompts):
     engine = LLMEngine(fetch_default_model(quiet=True), max_model_len=512, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=8)
