@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's")
     gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
+    gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     gen.add_argument(
         "--speculative-config", type=json.loads, default=None, metavar="JSON",
@@ -59,12 +60,18 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from atom_core.plugins import REGISTRY_HOOKS, get_registry, list_plugins
+    from atom_core.plugins import REGISTRY_HOOKS, failed_plugins, get_plugin_manager, get_registry, list_plugins
 
     for row in list_plugins():
         print(f"{row['name']:<12} {row['distribution'] or '(in-process)'}  hooks: {', '.join(row['hooks'])}")
+    get_plugin_manager()  # loads the entry points, filling failed_plugins
+    for name, why in sorted(failed_plugins.items()):
+        print(f"{name:<12} FAILED TO LOAD: {why}")
     for kind in REGISTRY_HOOKS:
-        print(f"{kind}: {', '.join(get_registry(kind).names()) or '-'}")
+        registry = get_registry(kind)
+        print(f"{kind}: {', '.join(registry.names()) or '-'}")
+        for name, why in sorted(registry.failed_plugins.items() - failed_plugins.items()):
+            print(f"  (plugin {name!r} left out: {why})")
     return 0
 
 
@@ -73,7 +80,9 @@ def _generate(args: argparse.Namespace) -> int:
     from atom_core.sampling_params import SamplingParams
 
     options: dict[str, Any] = {"dtype": args.dtype}
-    for name in ("max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config"):
+    for name in (
+        "max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config", "sampler"
+    ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     params = SamplingParams(  # bad sampling flags fail before the model loads

@@ -28,6 +28,7 @@ from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
 from atom_core.plugins import get_registry
+from atom_core.policy import policy_class
 from atom_core.sampler import SamplingMetadata
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sequence import Sequence
@@ -116,8 +117,8 @@ class ModelRunner:
         }
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
-        policy_cls = get_registry("scheduler_policies", pm).get(config.scheduling_policy)
-        self.num_kvcache_blocks = self._size_kv_pool(len(policy_cls.reserved_blocks))
+        reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
+        self.num_kvcache_blocks = self._size_kv_pool(len(reserved))
         self.kv_cache_tensors: dict[str, torch.Tensor] = {}
         self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
         self._allocate_kv_cache()
@@ -322,15 +323,11 @@ class ModelRunner:
         # Where each sampling row's scored positions start in `logits` (its last token, then its drafts).
         starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]) if rows else np.zeros(0, dtype=np.int64)
         if rows:
-            sampling = SamplingMetadata.from_seqs(seqs[r] for r in sample_ids)
-            if any(drafts):
-                probs = [seqs[r].spec_token_probs for r in sample_ids]
-                tokens = self.verifier(logits.float(), drafts, probs, sampling)
-                accepted = {row: len(t) - 1 for row, d, t in zip(rows, drafts, tokens) if d}
+            tokens = self._sample(logits, sample_ids, seqs, drafts, starts)
+            accepted = {row: len(t) - 1 for row, d, t in zip(rows, drafts, tokens) if d}
+            if accepted:
                 for builder in self.attn_builders.values():
                     builder.commit_speculation(batch, accepted)
-            else:
-                tokens = [[t] for t in self.sampler(logits, sampling).tolist()]
         logprobs = self._logprobs(sample_ids, seqs, starts, tokens, logits) if rows else {}
         prompt_logprobs = self._prompt_logprobs(batch, seqs, meta, hidden)
         t3 = time.perf_counter()
@@ -350,6 +347,37 @@ class ModelRunner:
             out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
             out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
         return out
+
+    def _sample(self, logits, sample_ids, seqs, drafts, starts) -> list[list[int]]:
+        """Per sampling request its tokens: the verifier's (accepted drafts, then one) for rows
+        with drafts, the configured sampler's for the others, so a plugin sampler keeps every
+        row it can serve and a seeded request draws alike whatever its neighbours drafted."""
+        drafting = [i for i, d in enumerate(drafts) if d]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        tokens: list[list[int]] = [[] for _ in drafts]
+        if plain:
+            rows = logits if not drafting else logits[torch.as_tensor(starts[plain], device=logits.device)]
+            sampled = self.sampler(rows, SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in plain))
+            sampled = sampled.tolist()
+            if len(sampled) != len(plain):
+                raise RuntimeError(
+                    f"sampler {self.config.sampler!r} returned {len(sampled)} token ids for {len(plain)} rows; "
+                    "a sampler returns one token id per row of logits"
+                )
+            for i, t in zip(plain, sampled):
+                tokens[i] = [t]
+        if drafting:
+            parts = [torch.arange(starts[i], starts[i] + len(drafts[i]) + 1) for i in drafting]
+            index = torch.cat(parts).to(logits.device)
+            verified = self.verifier(
+                logits[index].float(),
+                [drafts[i] for i in drafting],
+                [seqs[sample_ids[i]].spec_token_probs for i in drafting],
+                SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in drafting),
+            )
+            for i, t in zip(drafting, verified):
+                tokens[i] = t
+        return tokens
 
     @property
     def last_logits(self) -> torch.Tensor:
@@ -430,9 +458,18 @@ class ModelRunner:
             next_token_ids=next_token_ids,
         )
         proposed = self.proposer.propose(inp)
+        method = self.config.speculative_config.method
+        if len(proposed) != len(row_seqs):
+            raise RuntimeError(
+                f"proposer {method!r} returned {len(proposed)} entries for {len(row_seqs)} drafting rows; "
+                "propose() returns one Drafts (or None) per row of ProposalInput.seqs"
+            )
+        vocab = self.hf_config.vocab_size
         out = {}
         for seq, limit, d in zip(row_seqs, limits, proposed):
             if d is not None and d.token_ids and limit:
+                if not all(0 <= t < vocab for t in d.token_ids):
+                    raise ValueError(f"proposer {method!r} drafted {d.token_ids} for request {seq.id}, outside [0, {vocab})")
                 d.token_ids = list(d.token_ids[:limit])
                 if d.probs is not None:
                     d.probs = d.probs[:limit]

@@ -27,6 +27,8 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
 }
 
+REGISTRY_HOOKS_BY_NAME = {hook: kind for kind, (hook, _) in REGISTRY_HOOKS.items()}
+
 _plugin_manager: pluggy.PluginManager | None = None
 # entry-point name -> why it failed to load; shown so a user sees the broken plugin.
 failed_plugins: dict[str, str] = {}
@@ -66,6 +68,23 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             warnings.warn(f"atom plugin {name!r} ({ep.value}, from {dist}) failed to load: {e}", stacklevel=2)
             continue
         plugin_distributions[name] = f"{dist} {ep.dist.version}" if ep.dist is not None else "?"
+    for hook, plugin in unknown_hooks(pm):
+        warnings.warn(
+            f"atom plugin {plugin!r} implements {hook!r}, which is not an Atom hook (a typo?); it is never "
+            f"called. The hooks: {', '.join(sorted(REGISTRY_HOOKS_BY_NAME))}",
+            stacklevel=2,
+        )
+
+
+def unknown_hooks(pm: pluggy.PluginManager) -> list[tuple[str, str]]:
+    """(hook name, plugin) for every `@hookimpl` no hook specification declares."""
+    out = []
+    for name in dir(pm.hook):
+        caller = getattr(pm.hook, name)
+        if name.startswith("_") or not isinstance(caller, pluggy.HookCaller) or caller.spec is not None:
+            continue
+        out += [(name, impl.plugin_name) for impl in caller.get_hookimpls() if not impl.optionalhook]
+    return out
 
 
 def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
@@ -79,10 +98,18 @@ def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
     pm = pm or get_plugin_manager()
     hook_name, label = REGISTRY_HOOKS[kind]
     registry = Registry(label, hook_name, failed_plugins=dict(failed_plugins))
-    # Called one plugin at a time so every entry records which plugin made it.
+    # Called one plugin at a time so every entry records which plugin made it. A hook
+    # that raises takes only its own plugin down, as a failed import does.
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
         view = _PluginRegistry(registry, impl.plugin_name)
-        impl.function(**{arg: view for arg in impl.argnames})
+        try:
+            impl.function(**{arg: view for arg in impl.argnames})
+        except ValueError:  # a malformed registration: the plugin's bug, named by the message
+            raise
+        except Exception as e:
+            why = f"its {hook_name!r} hook raised {type(e).__name__}: {e}"
+            registry.failed_plugins[impl.plugin_name] = why
+            warnings.warn(f"atom plugin {impl.plugin_name!r}: {why}; what it registers there is left out", stacklevel=2)
     return registry
 
 

@@ -12,13 +12,26 @@ when a running request cannot grow. Policies are registered through
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from atom_core.config import Config
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 
 if TYPE_CHECKING:
     from atom_core.scheduler import Scheduler
+
+
+def policy_class(name: str, pm: Any = None) -> type[SchedulingPolicy]:
+    """The `SchedulingPolicy` subclass registered under `name` (`Config.scheduling_policy`)."""
+    from atom_core.plugins import get_registry
+
+    cls = get_registry("scheduler_policies", pm).get(name)
+    if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
+        raise TypeError(
+            f"scheduling policy {name!r} is registered as {cls!r}, which is not a subclass of "
+            "atom_core.policy.SchedulingPolicy"
+        )
+    return cls
 
 
 class SchedulingPolicy:

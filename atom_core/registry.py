@@ -33,6 +33,7 @@ class Registry:
         self.hook_name = hook_name
         self.failed_plugins = failed_plugins or {}
         self._entries: dict[str, _Entry] = {}
+        self._conflicts: dict[str, str] = {}  # name -> why it cannot be used (registered twice)
 
     def register(self, name: str, target: Any, *, plugin: str = "<unknown>") -> None:
         if not isinstance(name, str) or not name:
@@ -40,16 +41,21 @@ class Registry:
         if isinstance(target, str) and ":" not in target:
             raise ValueError(f"{self.kind} {name!r}: a lazy target must read 'module:Class', got {target!r}")
         previous = self._entries.get(name)
-        if previous is not None:
-            raise RegistryError(
-                f"{self.kind} {name!r} is registered twice: by plugin {previous.plugin!r} "
-                f"({_describe(previous.target)}) and by plugin {plugin!r} ({_describe(target)}); "
-                "uninstall one of them"
+        if previous is not None:  # an error when the name is asked for, not for every other name
+            by = (
+                f"by plugin {plugin!r} ({_describe(previous.target)} and {_describe(target)}); fix that plugin"
+                if previous.plugin == plugin
+                else f"by plugin {previous.plugin!r} ({_describe(previous.target)}) and by plugin {plugin!r} "
+                f"({_describe(target)}); uninstall one of them"
             )
+            self._conflicts[name] = f"{self.kind} {name!r} is registered twice: {by}"
+            return
         self._entries[name] = _Entry(target, plugin)
 
     def get(self, name: str) -> Any:
         """The class registered under `name`, imported now if it was registered lazily."""
+        if name in self._conflicts:
+            raise RegistryError(self._conflicts[name])
         entry = self._entries.get(name)
         if entry is None:
             known = ", ".join(sorted(self._entries)) or "none"

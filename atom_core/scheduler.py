@@ -17,7 +17,7 @@ from typing import Any
 
 from atom_core.block_manager import BlockManager
 from atom_core.config import Config
-from atom_core.policy import SchedulingPolicy, StepBuilder
+from atom_core.policy import SchedulingPolicy, StepBuilder, policy_class
 from atom_core.request import RequestOutput
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 from atom_core.speculative import DraftGate, SpecStats, crowded, wanted_drafts
@@ -173,9 +173,7 @@ class Scheduler:
         self.stop_string_check: Callable[[Sequence], bool] | None = None
         self._finished_outside_step: list[Sequence] = []
         self._queued: dict[int, Sequence] = {}  # every waiting or running request, by id
-        from atom_core.plugins import get_registry
-
-        self.policy: SchedulingPolicy = get_registry("scheduler_policies", pm).get(config.scheduling_policy)(config)
+        self.policy: SchedulingPolicy = policy_class(config.scheduling_policy, pm)(config)
         for block_id in self.policy.reserved_blocks:
             self.block_manager.reserve(block_id)
 

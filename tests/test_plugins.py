@@ -98,10 +98,38 @@ def test_two_plugins_registering_one_name_is_an_error_naming_both(plugin_manager
 
     plugin_manager.register(InProcessPlugin(), name="first-plugin")
     plugin_manager.register(Other(), name="second-plugin")
+    models = get_registry("models")  # every other name still resolves
+    assert models.get("LlamaForCausalLM") is not None
     with pytest.raises(RegistryError, match="registered twice") as e:
-        get_registry("models")
+        models.get("ExampleForCausalLM")
     assert "first-plugin" in str(e.value) and "second-plugin" in str(e.value)
     assert "other_pkg.models:Example" in str(e.value)
+
+
+def test_a_plugin_whose_hook_raises_is_left_out_and_named(plugin_manager):
+    class Raising:
+        @hookimpl
+        def atom_register_samplers(self, registry):
+            raise RuntimeError("boom in my hook")
+
+    plugin_manager.register(Raising(), name="raising-plugin")
+    with pytest.warns(UserWarning, match="'raising-plugin'.*RuntimeError: boom in my hook"):
+        samplers = get_registry("samplers")
+    assert samplers.get("default") is not None  # the other plugins' entries are all there
+    with pytest.raises(RegistryError, match="raising-plugin.*boom in my hook"):
+        samplers.get("whatever-it-meant-to-add")
+
+
+def test_a_misspelled_hook_is_reported(plugin_manager):
+    from atom_core.plugins import unknown_hooks
+
+    class Typo:
+        @hookimpl
+        def atom_register_sampler(self, registry):  # no "s"
+            registry.register("never", "x:Y")
+
+    plugin_manager.register(Typo(), name="typo-plugin")
+    assert ("atom_register_sampler", "typo-plugin") in unknown_hooks(plugin_manager)
 
 
 def test_bad_registrations_are_rejected(plugin_manager):

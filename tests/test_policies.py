@@ -271,3 +271,17 @@ def test_config_checks_chunk_settings():
     assert Config(max_num_batched_tokens=100).chunk_size == 96
     assert Config(max_num_batched_tokens=8).chunk_size == 16
     assert Config().scheduling_policy == "mixed" and Config().enable_chunked_prefill is True
+
+
+def test_a_registered_policy_that_is_not_a_scheduling_policy_is_refused_by_name(plugin_manager):
+    class NotAPolicy:
+        pass
+
+    class Plugin:
+        @hookimpl
+        def atom_register_scheduler_policies(self, registry):
+            registry.register("not_a_policy", NotAPolicy)
+
+    plugin_manager.register(Plugin(), name="not-a-policy")
+    with pytest.raises(TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.policy.SchedulingPolicy"):
+        Scheduler(Config(num_kvcache_blocks=8, scheduling_policy="not_a_policy"))

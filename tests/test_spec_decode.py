@@ -178,6 +178,65 @@ def test_a_proposer_is_called_every_step_unless_it_skips_idle_ones(llama, plain,
         assert len(calls) == engine.timings["steps"]
 
 
+class CountingSampler:
+    """A plugin's sampler: the argmax, counting the rows it was given."""
+
+    rows = 0
+
+    def __init__(self, config):
+        pass
+
+    def __call__(self, logits, meta):
+        CountingSampler.rows += logits.shape[0]
+        return logits.argmax(dim=-1)
+
+
+class SamplerPlugin:
+    @hookimpl
+    def atom_register_samplers(self, registry):
+        registry.register("counting", CountingSampler)
+
+
+def test_a_plugin_sampler_picks_the_tokens_of_rows_without_drafts(llama, plain, oracle, plugin_manager):
+    """Rows with drafts go to the verifier; every other row, in the same steps too, to Config.sampler."""
+    plugin_manager.register(SamplerPlugin(), name="counting-sampler")
+    CountingSampler.rows = 0
+    spec = dict(method="wrong", num_speculative_tokens=2, min_acceptance_rate=0.6, draft_retry_after=1000)
+    tokens, engine = generate(llama, copy_heavy_prompts(), speculative_config=spec, sampler="counting")
+    assert tokens == plain
+    # Each request drafts once (the first verify step), then pauses: every other token is the sampler's.
+    assert engine.get_spec_stats()["num_drafts"] == len(plain)
+    assert CountingSampler.rows == sum(len(t) for t in plain) - len(plain)
+
+
+class ShortProposer(OracleProposer):
+    def propose(self, inp):
+        return super().propose(inp)[:-1]
+
+
+class OutOfVocabProposer(OracleProposer):
+    def propose(self, inp):
+        return [Drafts([10**6]) for _ in inp.seqs]
+
+
+class BadProposers:
+    @hookimpl
+    def atom_register_proposers(self, registry):
+        registry.register("short", ShortProposer)
+        registry.register("oov", OutOfVocabProposer)
+
+
+@pytest.mark.parametrize("method, error", [("short", "returned 0 entries for 1 drafting rows"), ("oov", r"drafted \[1000000\]")])
+def test_a_proposer_breaking_its_contract_is_named(llama, oracle, plugin_manager, method, error):
+    plugin_manager.register(BadProposers(), name="bad-proposers")
+    engine = LLMEngine(
+        llama, dtype="float32", max_model_len=256, num_kvcache_blocks=64, speculative_config=dict(method=method)
+    )
+    with pytest.raises(Exception, match=f"proposer '{method}' {error}"):
+        engine.generate([copy_heavy_prompts()[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert engine.scheduler.block_manager.num_free_blocks == 64
+
+
 def test_a_stop_inside_an_accepted_run_ends_the_request_there(llama, plain, oracle):
     prompt, ref = copy_heavy_prompts()[0], plain[0]
     j = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])  # a token first seen at j
