@@ -246,17 +246,23 @@ def test_an_unknown_policy_names_the_known_ones():
         sched_for("nope")
 
 
+def register_policy(pm, name: str, cls: type) -> None:
+    """Register `cls` as scheduling policy `name` through an in-process plugin."""
+
+    class Plugin:
+        @hookimpl
+        def atom_register_scheduler_policies(self, registry):
+            registry.register(name, cls)
+
+    pm.register(Plugin(), name=f"{name}-plugin")
+
+
 def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(plugin_manager):
     class Idle(SchedulingPolicy):
         def schedule(self, step):
             pass
 
-    class IdlePlugin:
-        @hookimpl
-        def atom_register_scheduler_policies(self, registry):
-            registry.register("idle", Idle)
-
-    plugin_manager.register(IdlePlugin(), name="idle")
+    register_policy(plugin_manager, "idle", Idle)
     sched = sched_for("idle")
     sched.add(make_seq(4))
     with pytest.raises(RuntimeError, match="'idle' scheduled nothing with 1 waiting and 0 running"):
@@ -277,11 +283,6 @@ def test_a_registered_policy_that_is_not_a_scheduling_policy_is_refused_by_name(
     class NotAPolicy:
         pass
 
-    class Plugin:
-        @hookimpl
-        def atom_register_scheduler_policies(self, registry):
-            registry.register("not_a_policy", NotAPolicy)
-
-    plugin_manager.register(Plugin(), name="not-a-policy")
+    register_policy(plugin_manager, "not_a_policy", NotAPolicy)
     with pytest.raises(TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.policy.SchedulingPolicy"):
         Scheduler(Config(num_kvcache_blocks=8, scheduling_policy="not_a_policy"))
