@@ -11,6 +11,7 @@ steps that run before it finishes simply fault as before.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import math
@@ -55,11 +56,35 @@ def empty_resident(
     if nbytes:
         madvise(address, nbytes, MADV_HUGEPAGE)  # a hint: refused where THP is off
 
+        stop = threading.Event()
+
         def populate(keep_alive: torch.Tensor = raw) -> None:  # the range stays mapped until done
-            madvise(address, nbytes, MADV_POPULATE_WRITE)
+            for offset in range(0, nbytes, POPULATE_CHUNK):
+                if stop.is_set():
+                    return
+                madvise(address + offset, min(POPULATE_CHUNK, nbytes - offset), MADV_POPULATE_WRITE)
 
         if wait:
             populate()
         else:
-            threading.Thread(target=populate, name="atom-populate", daemon=True).start()
+            thread = threading.Thread(target=populate, name="atom-populate", daemon=True)
+            _populating.append((thread, stop))
+            thread.start()
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+# Mapping a pool of gigabytes takes seconds. A process that exits sooner stops its mapping
+# threads between chunks and waits for them: a daemon thread still inside madvise while
+# the interpreter finalizes could otherwise die mid-call (seen as "terminate called
+# without an active exception" at exit).
+POPULATE_CHUNK = 128 * HUGE_PAGE
+_populating: list[tuple[threading.Thread, threading.Event]] = []
+
+
+@atexit.register
+def _stop_populating() -> None:
+    for _, stop in _populating:
+        stop.set()
+    for thread, _ in _populating:
+        thread.join()
+    _populating.clear()

@@ -50,10 +50,9 @@ def gemv_ops() -> ModuleType | None:
     if os.environ.get("ATOM_DISABLE_GEMV"):
         return None
     ops = load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
-    if ops is not None:  # the shapes `torch.compile` traces with (the op itself is registered in C++)
-        torch.library.register_fake("atom_gemv::gemv")(
-            lambda x, w, bias: x.new_empty((x.shape[0], w.shape[0]))
-        )  # fmt: skip
+    if ops is not None:  # the shapes `torch.compile` traces with (the ops themselves are registered in C++)
+        torch.library.register_fake("atom_gemv::gemv")(lambda x, w, bias: x.new_empty((x.shape[0], w.shape[0])))
+        torch.library.register_fake("atom_gemv::qgemm")(lambda x, qw, d, mn, n, bias: x.new_empty((x.shape[0], n)))
     return ops
 
 

@@ -292,8 +292,14 @@ class StreamingGroupGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a model's 2-D activations: no reshapes
-        out = self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, None)
+        out = self.qgemm(rows, None)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def qgemm(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The kernel on 2-D rows; as the torch op while `torch.compile` traces (pybind calls break its graph)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.atom_gemv.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
+        return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
 
 
 class Int8PackGemm:
@@ -373,7 +379,7 @@ def quantized_linear(
 def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: torch.Tensor | None) -> torch.Tensor:
     """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
     decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
-    if x.dim() == 2 and bias is None:
+    if x.dim() == 2 and bias is None and not torch.compiler.is_compiling():
         return kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None)
     return quantized_linear(x, kernel, bias)
 

@@ -399,9 +399,15 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   return y;
 }
 
-// Also a torch op, `atom_gemv::gemv`, so a traced graph (`atom_core.compile`) can call it.
-TORCH_LIBRARY(atom_gemv, m) { m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) { m.impl("gemv", &gemv); }
+// Also torch ops, `atom_gemv::gemv` and `atom_gemv::qgemm`, so a traced graph (`atom_core.compile`) can call them.
+TORCH_LIBRARY(atom_gemv, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("qgemm", &qgemm);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, weight-streaming (CPU)");
