@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import xxhash
 
-from atom_core.config import Config
+from atom_core.config import Config, as_config
 from atom_core.sequence import Sequence, SequenceType
 from atom_core.state_checkpoints import StateCheckpoints
 
@@ -45,6 +45,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, config: Config):
+        config = as_config(config)  # a stand-in with ATOM's fields works too
         if config.num_kvcache_blocks is None:
             raise ValueError(
                 "num_kvcache_blocks is None: a model runner sizes the KV pool from memory; "
@@ -208,8 +209,8 @@ class BlockManager:
         seq.num_computed_tokens = end if num_new_tokens is None else first + num_new_tokens
         if stateful:
             self._state_plans[seq.id] = load
-        if self.enable_prefix_caching:
-            self._hash_full_blocks(seq, min(end, seq.num_tokens) // self.block_size)
+        # Full blocks are named whether or not prefix caching is on (as ATOM does); off, nothing looks them up.
+        self._hash_full_blocks(seq, min(end, seq.num_tokens) // self.block_size)
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             group = self.per_req_cache_free_groups.popleft()
             self.per_req_cache_used_groups.add(group)
@@ -318,11 +319,10 @@ class BlockManager:
             for _ in range(missing):
                 table.append(self._take_free_block())
         self._add_lookahead(seq, end)
-        if self.enable_prefix_caching:
-            # Drafts are not tokens of the sequence yet: only known tokens are published.
-            num_full = min(end, seq._num_tokens) // self.block_size
-            if num_full and self.blocks[table[num_full - 1]].hash == -1:
-                self._hash_full_blocks(seq, num_full)
+        # Drafts are not tokens of the sequence yet: only known tokens are published.
+        num_full = min(end, seq._num_tokens) // self.block_size
+        if num_full and self.blocks[table[num_full - 1]].hash == -1:
+            self._hash_full_blocks(seq, num_full)
         seq.num_computed_tokens = end
         self._version += 1
         return True

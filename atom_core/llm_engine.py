@@ -38,10 +38,13 @@ def resolve_model(model: str | Path | None) -> Path:
 
         stat = path.stat()
         out = default_cache_dir() / "models" / f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
-        if not (out / "config.json").exists():
-            return gguf_to_hf_folder(path, out)
-        if not (out / GGUF_BLOCKS_FILE).exists():  # converted before Atom kept the quantized blocks
-            write_gguf_blocks(path, out)
+        try:
+            if not (out / "config.json").exists():
+                return gguf_to_hf_folder(path, out)
+            if not (out / GGUF_BLOCKS_FILE).exists():  # converted before Atom kept the quantized blocks
+                write_gguf_blocks(path, out)
+        except ValueError as e:  # gguf's own messages ("GGUF magic invalid") do not name the file
+            raise ValueError(f"{path}: not a GGUF file Atom can read: {e}") from e
         return out
     if (path / "config.json").is_file():
         return path

@@ -77,7 +77,10 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                     with torch.no_grad():
                         param.data.copy_(tensor)
                 else:
-                    param.weight_loader(param, tensor, shard)
+                    try:
+                        param.weight_loader(param, tensor, shard)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r} ({path.name}): {e}") from e
                 loaded.setdefault(id(param), set()).add(shard)
     missing = []
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
@@ -85,9 +88,23 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
         owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
         expected = {None} if owner is None else set(getattr(param, "expected_shards", None) or owner.shard_offsets)
         if not expected <= shards:
-            missing.append(name if owner is None else f"{name} (shards {sorted(expected - shards)})")
+            missing.append(name if owner is None else _missing_shards(name, expected - shards, mapping))
     if missing:
         raise ValueError(f"the checkpoint in {folder} lacks tensors for: {', '.join(missing)}")
+
+
+def _missing_shards(name: str, shards: set, mapping: dict[str, tuple[str, str]]) -> str:
+    """A fused parameter's missing shards, by the checkpoint names they load from where the
+    model's `packed_modules_mapping` says (q/k/v, gate/up); else by shard."""
+    names = [
+        name.replace(f".{fused}.", f".{ckpt}.")
+        for shard in sorted(shards, key=str)
+        for ckpt, (fused, s) in mapping.items()
+        if s == shard and f".{fused}." in name
+    ]
+    if len(names) == len(shards):
+        return ", ".join(names)
+    return f"{name} (shards {sorted(shards, key=str)})"
 
 
 def _target(

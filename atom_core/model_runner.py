@@ -85,6 +85,14 @@ class ModelRunner:
         self.block_size = config.kv_cache_block_size
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise ValueError(
+                f"{config.model}: the checkpoint is pre-quantized (config.json quantization_config, quant_method="
+                f"{method!r}), which Atom does not load; it loads float checkpoints (quantized at load by "
+                "Config.quantization) and GGUF files (Q4_0/Q4_1/Q8_0 kept, other types converted)"
+            )
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from atom_core.block_manager import BlockManager
-from atom_core.config import Config
+from atom_core.config import Config, as_config
 from atom_core.policy import SchedulingPolicy, StepBuilder, policy_class
 from atom_core.request import RequestOutput
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
@@ -149,6 +149,7 @@ class ScheduledBatchOutput:
 
 class Scheduler:
     def __init__(self, config: Config, pm: Any = None):
+        config = as_config(config)  # a stand-in with ATOM's fields works too
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -396,7 +397,7 @@ class Scheduler:
                 seq.leave_time = now
                 seq.leave_reason = reason
                 self.block_manager.deallocate(seq)
-                del self._queued[seq.id]
+                self._queued.pop(seq.id, None)  # a request queued by hand was never in it
                 finished.append(seq)
             if stream_output_queue is not None or seq.stream_callback is not None:
                 out = self._emit(seq, reason)
@@ -474,3 +475,12 @@ class Scheduler:
     @property
     def total_accepted_tokens(self) -> int:
         return self.spec_stats.num_accepted_tokens
+
+    def update_spec_stats(self, num_accepted_tokens: int) -> None:
+        """ATOM's counter update, for a caller that verifies outside `postprocess` (which counts
+        by itself): one request-step of `mtp_k` drafts, `num_accepted_tokens - mtp_k` of them
+        accepted, in ATOM's convention."""
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += self.mtp_k
+        stats.num_accepted_tokens += num_accepted_tokens - self.mtp_k

@@ -122,6 +122,32 @@ class LlamaModel(nn.Module):
         return h
 
 
+def sliding_window_of(cfg: Any) -> int | None:
+    """The attention window a config asks for, by transformers' rules (None: full attention).
+
+    Mixtral sets `sliding_window` alone; Qwen3 also needs `use_sliding_window`, and
+    `layer_types` says which layers slide (`max_window_layers`).
+    """
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def check_full_attention(cfg: Any, atom_config: Any) -> None:
+    """Attention here is full causal: a windowed config runs only where the window never binds."""
+    window = sliding_window_of(cfg)
+    max_len = getattr(atom_config, "max_model_len", None)
+    if window is not None and (max_len is None or max_len > window):
+        raise ValueError(
+            f"sliding_window={window} is not supported (attention here is full causal); "
+            f"it is harmless only with max_model_len <= {window}, got max_model_len={max_len}"
+        )
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions) -> hidden states; compute_logits on the rows that sample."""
 
@@ -137,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, atom_config: Any = None):
         super().__init__()
+        check_full_attention(hf_config, atom_config)
         self.config = hf_config
         self.model = self.model_cls(hf_config)
         self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)

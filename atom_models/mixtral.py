@@ -40,16 +40,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     model_cls = MixtralModel
     _experts = FusedMoE.checkpoint_mapping(MIXTRAL_EXPERT_NAMES)
 
-    def __init__(self, hf_config: Any, atom_config: Any = None):
-        window = getattr(hf_config, "sliding_window", None)
-        max_len = getattr(atom_config, "max_model_len", None)
-        if window is not None and (max_len is None or max_len > window):
-            raise ValueError(
-                f"sliding_window={window} is not supported (attention here is full causal); "
-                f"it is harmless only with max_model_len <= {window}, got max_model_len={max_len}"
-            )
-        super().__init__(hf_config, atom_config)
-
     def map_checkpoint_name(self, name: str) -> tuple[str, tuple[str, int] | None] | None:
         """The hub's `block_sparse_moe` is our layers' `mlp` (so Llama's forward serves unchanged)."""
         if ".block_sparse_moe." not in name:

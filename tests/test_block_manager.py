@@ -65,11 +65,16 @@ def test_allocate_without_prefix_caching():
     assert s.block_table == [0, 1, 2]
     assert s.num_cached_tokens == 0
     assert list(bm.free_block_ids) == [3, 4, 5, 6, 7]
-    assert bm.hash_to_block_id == {}
-    assert all(bm.blocks[i].hash == -1 and bm.blocks[i].ref_count == 1 for i in (0, 1, 2))
+    # Full blocks are named all the same (the seed: turning caching off skips the lookup only).
+    assert bm.hash_to_block_id == {bm.blocks[0].hash: 0, bm.blocks[1].hash: 1}
+    assert bm.blocks[2].hash == -1 and all(bm.blocks[i].ref_count == 1 for i in (0, 1, 2))
+    twin = make_seq(40)  # the same tokens: no hit without prefix caching
+    bm.allocate(twin)
+    assert twin.num_cached_tokens == 0 and twin.block_table == [3, 4, 5]
+    bm.deallocate(twin)
     bm.deallocate(s)
     assert s.block_table == [] and bm.used_block_ids == set()
-    assert list(bm.free_block_ids) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert sorted(bm.free_block_ids) == list(range(8))
 
 
 def test_only_full_blocks_are_hashed():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -267,6 +269,48 @@ def test_sharded_checkpoint_and_generation_config_stop_ids(tiny, tmp_path):
     r = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     first = min(expected.index(expected[6]), expected.index(expected[3]))
     assert r["token_ids"] == expected[: first + 1]
+
+
+def test_checkpoint_problems_are_named_by_the_checkpoint_tensor(tiny, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny
+
+    def variant(name: str, edit) -> Path:
+        out = tmp_path / name
+        shutil.copytree(folder, out)
+        [path] = list(out.glob("*.safetensors"))
+        tensors = load_file(path)
+        edit(tensors)
+        save_file(tensors, path)
+        return out
+
+    def drop_q(t):
+        del t["model.layers.0.self_attn.q_proj.weight"]
+
+    with pytest.raises(ValueError, match=r"lacks tensors for: model\.layers\.0\.self_attn\.q_proj\.weight"):
+        LLMEngine(variant("no_q", drop_q), num_kvcache_blocks=32, max_model_len=128)
+
+    def widen_k(t):
+        k = t["model.layers.0.self_attn.k_proj.weight"]
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.cat([k, k])
+
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.self_attn\.k_proj\.weight'.*shard 'k'"):
+        LLMEngine(variant("wide_k", widen_k), num_kvcache_blocks=32, max_model_len=128)
+
+    quantized = variant("fp8", lambda t: None)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="pre-quantized .*quant_method='fp8'"):
+        LLMEngine(quantized, num_kvcache_blocks=32, max_model_len=128)
+
+    (tmp_path / "fake.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="fake.gguf: not a GGUF file Atom can read"):
+        LLMEngine(tmp_path / "fake.gguf")
 
 
 def test_a_sampler_plugin_is_picked_by_name(tiny, plugin_manager):

@@ -65,3 +65,33 @@ def test_mixtral_refuses_a_sliding_window_shorter_than_the_context():
     with pytest.raises(ValueError, match="sliding_window=64"):
         MixtralForCausalLM(config, SimpleNamespace(max_model_len=128))
     MixtralForCausalLM(config, SimpleNamespace(max_model_len=64))  # the window never bites
+
+
+@pytest.mark.parametrize("arch", ["Qwen3", "Qwen3Moe"])
+def test_qwen3_refuses_sliding_layers_it_would_run_with_full_attention(arch):
+    """Qwen3's window applies when use_sliding_window is on and `layer_types` has sliding layers."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    import atom_models.qwen3  # noqa: F401
+    import atom_models.qwen3_moe  # noqa: F401
+    from atom_core.plugins import get_registry
+
+    model_cls = get_registry("models").get(f"{arch}ForCausalLM")
+    shapes = dict(
+        vocab_size=16, hidden_size=8, intermediate_size=4, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, sliding_window=16,
+    )
+    if arch == "Qwen3Moe":
+        shapes.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4)
+    config_cls = getattr(transformers, f"{arch}Config")
+    sliding = config_cls(**shapes, use_sliding_window=True, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding_window=16 is not supported"):
+        model_cls(sliding, SimpleNamespace(max_model_len=128))
+    model_cls(sliding, SimpleNamespace(max_model_len=16))  # the window never bites
+    model_cls(config_cls(**shapes, use_sliding_window=False), SimpleNamespace(max_model_len=128))
+    if arch == "Qwen3":  # layers up to max_window_layers attend fully (Qwen3-MoE has no such split)
+        full = config_cls(**shapes, use_sliding_window=True, max_window_layers=2)
+        assert "sliding_attention" not in full.layer_types
+        model_cls(full, SimpleNamespace(max_model_len=128))

@@ -3,6 +3,7 @@ import queue
 import pytest
 
 from atom_core import (
+    BlockManager,
     RequestOutput,
     SamplingParams,
     ScheduledBatchOutput,
@@ -448,3 +449,44 @@ def test_adding_the_same_request_twice_is_an_error():
     step(sched)
     with pytest.raises(ValueError, match="only a new WAITING sequence"):
         sched.add(a)
+
+
+class AtomStyleConfig:
+    """A stand-in with only the fields ATOM's Config has (ATOM's own tests build its Scheduler
+    and BlockManager from one), block size 4 included."""
+
+    def __init__(self, **overrides):
+        fields = dict(
+            kv_cache_block_size=4, num_kvcache_blocks=10, enable_prefix_caching=False, enable_chunked_prefill=True,
+            max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=0, max_model_len=64,
+            bos_token_id=1, eos_token_id=2, stop_token_ids=[], scheduler_delay_factor=0.0, speculative_config=None,
+        )
+        for name, value in {**fields, **overrides}.items():
+            setattr(self, name, value)
+
+
+def test_a_stand_in_config_with_atoms_fields_drives_the_scheduler_as_atom_would():
+    sched = Scheduler(AtomStyleConfig())
+    a, b = Sequence([5, 6, 7, 8, 9], 4, SamplingParams(max_tokens=3)), Sequence([5, 6, 7], 4, SamplingParams(max_tokens=2))
+    sched.add(a)
+    sched.add(b)
+    steps = []
+    while (scheduled := sched.schedule()) is not None:
+        batch, seqs = scheduled
+        steps.append((batch.req_ids, batch.num_scheduled_tokens))
+        sched.postprocess(seqs, ScheduledBatchOutput({r: (7,) for r, s in zip(batch.req_ids, batch.do_sample) if s}))
+    # ATOM's scheduling (no policy named: prefill_first): both prompts, then decode steps.
+    assert steps == [([a.id, b.id], [5, 3]), ([a.id, b.id], [1, 1]), ([a.id], [1])]
+    assert (a.leave_reason, b.leave_reason) == ("max_tokens", "max_tokens")
+    assert sched.block_manager.num_free_blocks == 10
+    bm = BlockManager(AtomStyleConfig(enable_prefix_caching=True))
+    seq = Sequence(list(range(10, 19)), 4, SamplingParams())
+    bm.allocate(seq)
+    assert [bm.blocks[i].hash != -1 for i in seq.block_table] == [True, True, False]
+
+
+def test_update_spec_stats_counts_as_atom_does():
+    sched = make_scheduler(speculative_config=SpeculativeConfig(num_speculative_tokens=2))
+    sched.update_spec_stats(3)
+    sched.update_spec_stats(4)
+    assert (sched.total_draft_tokens, sched.total_accepted_tokens) == (4, 3)
