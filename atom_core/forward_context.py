@@ -29,6 +29,8 @@ class ForwardContext:
     context: Context = attrs.field(factory=Context)
     spec_decode_metadata: Any = None
     kv_cache_data: dict[str, Any] = attrs.field(factory=dict)
+    # ATOM's data-parallel metadata; Atom runs one process, so it stays None.
+    dp_metadata: Any = None
 
 
 _forward_context = ForwardContext()
