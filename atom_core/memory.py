@@ -73,11 +73,14 @@ def empty_resident(
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
-# Mapping a pool of gigabytes takes seconds. A process that exits sooner stops its mapping
-# threads between chunks and waits for them: a daemon thread still inside madvise while
-# the interpreter finalizes could otherwise die mid-call (seen as "terminate called
-# without an active exception" at exit).
-POPULATE_CHUNK = 128 * HUGE_PAGE
+# Mapping a pool of gigabytes takes seconds, in calls of POPULATE_CHUNK bytes. Each call
+# holds the process's mmap lock, which the main thread's own mappings (a large tensor's
+# allocation) wait for: in calls of 256 MiB, a one-question `atom generate` beside a 6 GB
+# pool took 6.8 s to generate 16 tokens; in calls of 8 MiB, 0.4 s (0.24 s with no pool to
+# map). A process that exits sooner stops its mapping threads between calls and waits for
+# them: a daemon thread still inside madvise while the interpreter finalizes could otherwise
+# die mid-call (seen as "terminate called without an active exception" at exit).
+POPULATE_CHUNK = 4 * HUGE_PAGE
 _populating: list[tuple[threading.Thread, threading.Event]] = []
 
 

@@ -63,5 +63,9 @@ def test_pool_is_populated_over_its_whole_range(monkeypatch):
     t = empty_resident((3, 1 << 20), torch.float32, "cpu", wait=True)
     nbytes = t.numel() * t.element_size()
     assert t.data_ptr() % HUGE_PAGE == 0
-    assert (t.data_ptr(), nbytes, memory.MADV_POPULATE_WRITE, 0) in calls
+    populated = [(a, n) for a, n, advice, rc in calls if advice == memory.MADV_POPULATE_WRITE and rc == 0]
+    # In calls of at most POPULATE_CHUNK bytes (each holds the mmap lock), end to end over the tensor.
+    assert all(n <= memory.POPULATE_CHUNK for _, n in populated)
+    assert populated[0][0] == t.data_ptr() and sum(n for _, n in populated) == nbytes
+    assert all(a + n == b for (a, n), (b, _) in zip(populated, populated[1:]))
     assert resident_fraction(t.data_ptr(), nbytes) == 1.0
