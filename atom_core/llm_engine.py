@@ -70,12 +70,16 @@ class _Request:
     num_cached_tokens: int | None = None
 
 
+def _is_token_id_like(value: Any) -> bool:
+    """An integer (int, numpy integer), not a bool: what a prompt's token ids may be."""
+    return not isinstance(value, bool) and hasattr(value, "__index__")
+
+
 def _is_token_list(prompt: Any) -> bool:
-    """A list of token ids (ints, numpy integers), not a list of prompts."""
+    """A list of token ids, not a list of prompts."""
     if not isinstance(prompt, SequenceABC) or isinstance(prompt, str) or len(prompt) == 0:
         return False
-    first = prompt[0]
-    return not isinstance(first, (bool, str)) and hasattr(first, "__index__")
+    return _is_token_id_like(prompt[0])
 
 
 class LLMEngine:
@@ -161,7 +165,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty: it must hold at least one token")
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not (isinstance(t, int) or hasattr(t, "__index__")):
+            if not _is_token_id_like(t):
                 raise ValueError(f"prompt token {i} is {t!r}, not a token id")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")

@@ -375,10 +375,13 @@ class ModelRunner:
             for i, t in zip(plain, sampled):
                 tokens[i] = [t]
         if drafting:
-            parts = [torch.arange(starts[i], starts[i] + len(drafts[i]) + 1) for i in drafting]
-            index = torch.cat(parts).to(logits.device)
+            if plain:  # the drafting rows' positions only
+                parts = [torch.arange(starts[i], starts[i] + len(drafts[i]) + 1) for i in drafting]
+                rows = logits[torch.cat(parts).to(logits.device)]
+            else:
+                rows = logits
             verified = self.verifier(
-                logits[index].float(),
+                rows.float(),
                 [drafts[i] for i in drafting],
                 [seqs[sample_ids[i]].spec_token_probs for i in drafting],
                 SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in drafting),

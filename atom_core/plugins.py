@@ -27,8 +27,6 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
 }
 
-REGISTRY_HOOKS_BY_NAME = {hook: kind for kind, (hook, _) in REGISTRY_HOOKS.items()}
-
 _plugin_manager: pluggy.PluginManager | None = None
 # entry-point name -> why it failed to load; shown so a user sees the broken plugin.
 failed_plugins: dict[str, str] = {}
@@ -71,7 +69,7 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     for hook, plugin in unknown_hooks(pm):
         warnings.warn(
             f"atom plugin {plugin!r} implements {hook!r}, which is not an Atom hook (a typo?); it is never "
-            f"called. The hooks: {', '.join(sorted(REGISTRY_HOOKS_BY_NAME))}",
+            f"called. The hooks: {', '.join(sorted(hook for hook, _ in REGISTRY_HOOKS.values()))}",
             stacklevel=2,
         )
 

@@ -128,14 +128,14 @@ def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int |
 
 
 def wanted_drafts(
-    seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None, crowded: bool = False
+    seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None, busy: bool = False
 ) -> int:
     """`draft_limit`, capped by what the request's gate allows (0 while it has paused drafting).
 
-    `crowded`: the step ran `disable_by_batch_size` requests or more, which stops greedy
-    requests' drafts (their tokens are the same either way; a sampled request's are not).
+    `busy` (`crowded(...)`): the step ran `disable_by_batch_size` requests or more, which stops
+    greedy requests' drafts (their tokens are the same either way; a sampled request's are not).
     """
-    if crowded and seq.sampling_params.is_greedy:
+    if busy and seq.sampling_params.is_greedy:
         return 0
     gate = seq.draft_gate
     if gate is not None:
@@ -145,7 +145,7 @@ def wanted_drafts(
 
 def crowded(spec_config: Any, batch_size: int) -> bool:
     """Whether a step of `batch_size` requests stops greedy drafting (`disable_by_batch_size`)."""
-    limit = spec_config.disable_by_batch_size if spec_config is not None else None
+    limit = getattr(spec_config, "disable_by_batch_size", None)  # None too for a stand-in config's
     return limit is not None and batch_size >= limit
 
 
