@@ -31,6 +31,10 @@ class ForwardContext:
     kv_cache_data: dict[str, Any] = attrs.field(factory=dict)
     # ATOM's data-parallel metadata; Atom runs one process, so it stays None.
     dp_metadata: Any = None
+    # Only the argmax of this step's logits is read (every sampling row greedy, no log
+    # probabilities): an LM head may leave entries that cannot be the maximum at -inf
+    # (`layers/argmax_screen.py`).
+    argmax_only: bool = False
 
 
 _forward_context = ForwardContext()
@@ -49,6 +53,7 @@ def set_forward_context(
     context: Context | None = None,
     spec_decode_metadata: Any = None,
     attn_metadata_by_type: dict[str, Any] | None = None,
+    argmax_only: bool = False,
 ) -> None:
     global _forward_context
     by_type = dict(attn_metadata_by_type or {})
@@ -60,6 +65,7 @@ def set_forward_context(
         context=context or Context(),
         spec_decode_metadata=spec_decode_metadata,
         kv_cache_data=_kv_cache_data,
+        argmax_only=argmax_only,
     )
 
 

@@ -23,7 +23,7 @@ from atom_core.compile import compile_model
 from atom_core.config import Config
 from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
-from atom_core.layers.linear import batch_invariant_gemms
+from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
@@ -108,7 +108,7 @@ class ModelRunner:
         draft_modules = self.proposer.draft_modules() if self.proposer else []
         self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
         # the last step's logits and the row each request sampled from (`last_logits`)
-        self._last_logits: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)
+        self._last_logits: tuple[torch.Tensor | None, bool, np.ndarray | None] = (None, False, None)
         if self.proposer and self.proposer.aux_hidden_layers:
             self._capture_aux_hidden(self.proposer.aux_hidden_layers)
         self.attn_layers = [
@@ -155,6 +155,7 @@ class ModelRunner:
         """Load `module` from `folder`, quantized per `Config.quantization` if asked, with kernels
         chosen for the loaded weights' device and dtype."""
         load_model_weights(module, folder)
+        mark_lm_heads(module)
         if quantize:
             quantize_model(module, self.config)  # Config.quantization: which Linears run quantized
         for m in module.modules():
@@ -301,17 +302,18 @@ class ModelRunner:
         metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
         meta = next(iter(metas.values()))
         input_ids = torch.tensor(batch.scheduled_tokens, dtype=torch.int64, device=self.device)
+        rows = [i for i, s in enumerate(batch.do_sample) if s]
+        sample_ids = [batch.req_ids[i] for i in rows]
+        spec = batch.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in sample_ids]
         set_forward_context(
             attn_metadata_by_type=metas,
             atom_config=self.config,
             context=Context(
                 positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
             ),
+            argmax_only=(argmax_only := self._argmax_only(sample_ids, seqs, drafts)),
         )
-        rows = [i for i, s in enumerate(batch.do_sample) if s]
-        sample_ids = [batch.req_ids[i] for i in rows]
-        spec = batch.scheduled_spec_decode_tokens
-        drafts = [spec.get(rid, []) for rid in sample_ids]
         ends = meta.query_start_loc_cpu[1:][rows]  # one past each sampling row's last token
         t1 = time.perf_counter()
         self._aux_hidden.clear()
@@ -323,7 +325,8 @@ class ModelRunner:
             if rows:
                 index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
                 # In the model's dtype; the sampler, the verifier and log probabilities widen them.
-                logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+                scored = hidden[torch.from_numpy(index).to(self.device)]
+                logits = self.model.compute_logits(scored)
         finally:
             reset_forward_context()
         t2 = time.perf_counter()
@@ -348,7 +351,9 @@ class ModelRunner:
         # The logits each request sampled its last token from, a row per request of
         # `last_req_ids`: for parity checks and debugging.
         self.last_req_ids = sample_ids
-        self._last_logits = (logits, starts + [len(t) - 1 for t in tokens]) if rows else (None, None)
+        # An argmax-only step's logits may be mostly -inf: those are computed again, whole, from the hidden states.
+        last = (scored, True) if rows and argmax_only else (logits, False)
+        self._last_logits = (*last, starts + [len(t) - 1 for t in tokens]) if rows else (None, False, None)
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
         out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
@@ -394,10 +399,26 @@ class ModelRunner:
     def last_logits(self) -> torch.Tensor:
         """float32 [requests, vocab]: the logits each request of `last_req_ids` sampled its last
         token from (selected when asked: parity checks and debugging, not every step)."""
-        logits, rows = self._last_logits
+        logits, is_hidden, rows = self._last_logits
         if logits is None:
             return torch.empty((0, 0))
+        if is_hidden:
+            with torch.inference_mode():
+                logits = self.model.compute_logits(logits)  # all rows at once: the step's kernel
         return logits[torch.from_numpy(rows)].float()
+
+    def _argmax_only(self, sample_ids: list[int], seqs: dict[int, Sequence], drafts: list[list[int]]) -> bool:
+        """Whether this step reads nothing of its logits but each row's argmax: every sampling
+        request greedy without log probabilities, and what samples them says greedy rows read
+        the argmax alone (`greedy_reads_argmax_only`)."""
+        if not sample_ids:
+            return False
+        for rid in sample_ids:
+            params = seqs[rid].sampling_params
+            if not params.is_greedy or params.logprobs is not None:
+                return False
+        samplers = [self.sampler, self.verifier] if any(drafts) else [self.sampler]
+        return all(getattr(s, "greedy_reads_argmax_only", False) for s in samplers)
 
     def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""

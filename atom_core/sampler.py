@@ -38,6 +38,11 @@ class SamplingMetadata:
 
 
 class Sampler:
+    # A greedy row's token is its logits' argmax, and nothing else of the row is read: the
+    # runner may hand such rows logits that are -inf wherever they cannot be the maximum
+    # (`layers/argmax_screen.py`). A sampler plugin without this attribute gets them whole.
+    greedy_reads_argmax_only = True
+
     def __init__(self, config: Any = None):
         seed = getattr(config, "seed", 0) or 0
         self.device = torch.device(getattr(config, "device", "cpu") or "cpu")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.layers.argmax_screen import screen_lm_head
 from atom_core.layers.cpp import load_extension
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 
@@ -129,7 +130,9 @@ class Linear(nn.Linear):
     packed_weight: Any = None  # set when `gemm` takes a repacked copy (or a quantized kernel)
     # Set by `quant.quantize_model` before kernels are picked: the weight runs quantized.
     quant: QuantizedWeight | None = None
-    quant_exact_top: bool = False  # an LM head: logits near the top recomputed exactly (quant.ExactTopLogits)
+    # The output projection (`mark_lm_heads`): a quantized one recomputes its top logits
+    # exactly (`quant.ExactTopLogits`), a float one gets the greedy screen (`argmax_screen.py`).
+    is_lm_head: bool = False
     # False keeps a layer in floating point whatever `Config.quantization` says (MoE routers).
     quantizable: bool = True
 
@@ -138,12 +141,14 @@ class Linear(nn.Linear):
             return  # already done: the plain weight is gone
         if self.quant is not None:
             self.gemm, self.packed_weight = pick_quantized_gemm(
-                self.quant, self.weight.device, self.weight.dtype, exact_top=self.quant_exact_top
+                self.quant, self.weight.device, self.weight.dtype, exact_top=self.is_lm_head
             )
             self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
             self.weight = None
             return
         self.gemm, weight = pick_gemm(self.weight)
+        if self.is_lm_head:
+            self.gemm = screen_lm_head(self.gemm)
         if weight is not self.weight:
             self.packed_weight = weight
             self.weight = None  # the copy serves; a tied weight lives on in its other module
@@ -151,6 +156,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.packed_weight is None else self.packed_weight
         return self.gemm(x, weight, self.bias)
+
+
+def mark_lm_heads(model: nn.Module) -> None:
+    """Flag the output projection: a Linear named `lm_head` (Hugging Face's name) or sharing an embedding's weight."""
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            m.is_lm_head = name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied
 
 
 class MergedLinear(Linear):

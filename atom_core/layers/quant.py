@@ -262,12 +262,17 @@ class StreamingGroupGemm:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
         self.ops, self.bits = ops, qw.bits
         self.out_features, self.in_features = n, k
+        self.qweight, self.scales, self.mins = self.pack(*self.codes(qw), qw.bits)
+
+    @staticmethod
+    def codes(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the kernel multiplies by: unsigned q [N, K], float16 scales and mins [N, K / 32],
+        w = q * scale + min."""
         scales = qw.scales.to(torch.float16)
-        if qw.bits == 4:  # w = q * scale + min, q in 0..15
-            q, mins = qw.qweight.to(torch.uint8), (qw.zeros - 8 * qw.scales).to(torch.float16)
-        else:  # q + 128 in 0..255, min -128 scale
-            q, mins = (qw.qweight.to(torch.int16) + 128).to(torch.uint8), (-128 * scales.float()).to(torch.float16)
-        self.qweight, self.scales, self.mins = self.pack(q, scales, mins, qw.bits)
+        if qw.bits == 4:  # q in 0..15
+            return qw.qweight.to(torch.uint8), scales, (qw.zeros - 8 * qw.scales).to(torch.float16)
+        # q + 128 in 0..255, min -128 scale
+        return (qw.qweight.to(torch.int16) + 128).to(torch.uint8), scales, (-128 * scales.float()).to(torch.float16)
 
     @classmethod
     def pack(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
@@ -467,13 +472,9 @@ def _quantize(weight: torch.Tensor, mode: str, group: int) -> QuantizedWeight:
     return quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight, group)
 
 
-def _is_lm_head(name: str, module: nn.Module, tied_ids: set[int]) -> bool:
-    """The output projection: named `lm_head` (Hugging Face's name) or sharing an embedding's weight."""
-    return name.rpartition(".")[2] == "lm_head" or id(module.weight) in tied_ids
-
-
 def quantize_model(model: nn.Module, config: Any) -> None:
-    """Give each quantizable `Linear` its `quant` weight as `config.quantization` says.
+    """Give each quantizable `Linear` its `quant` weight as `config.quantization` says (LM heads
+    flagged by `linear.mark_lm_heads` first).
 
     "none": nothing. "auto": a model converted from GGUF (its folder holds the file's blocks,
     `loader.GGUF_BLOCKS_FILE`) takes the Q4_0/Q4_1/Q8_0 blocks as they are and requantizes
@@ -490,21 +491,20 @@ def quantize_model(model: nn.Module, config: Any) -> None:
     linears = quantizable_linears(model)
     experts = quantizable_experts(model)
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    tied_ids = {id(m.weight) for m in embeddings.values()}
     if mode == "auto":
         from atom_core.loader import GGUF_BLOCKS_FILE
 
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
             return  # not converted from GGUF: the checkpoint's weights as they are
-        _from_gguf(model, blocks, linears, experts, tied_ids, config)
+        _from_gguf(model, blocks, linears, experts, config)
     else:
         head_mode = config.quantize_lm_head
         group = config.quantization_group_size
         per_channel: list[str] = []
         for name, module in linears.items():
             as_head = mode if head_mode == "same" else head_mode
-            layer_mode = as_head if _is_lm_head(name, module, tied_ids) else mode
+            layer_mode = as_head if module.is_lm_head else mode
             if layer_mode == "none":
                 continue
             if module.in_features % group:
@@ -520,8 +520,6 @@ def quantize_model(model: nn.Module, config: Any) -> None:
                 "atom: %d layers quantized to int8 per output channel, their in_features not a multiple of "
                 "quantization_group_size %d: %s", len(per_channel), group, ", ".join(per_channel[:4]),
             )  # fmt: skip
-    for name, module in linears.items():
-        module.quant_exact_top = module.quant is not None and _is_lm_head(name, module, tied_ids)
     _tie_embeddings(model, embeddings, linears)
 
 
@@ -565,8 +563,7 @@ def _requantized(weight: torch.Tensor, gguf_type: str) -> QuantizedWeight:
 
 
 def _from_gguf(
-    model: nn.Module, blocks: Path, linears: dict[str, nn.Module], experts: dict[str, nn.Module],
-    tied_ids: set[int], config: Any,
+    model: nn.Module, blocks: Path, linears: dict[str, nn.Module], experts: dict[str, nn.Module], config: Any
 ) -> None:
     """Each Linear's (and each expert's) blocks from the converted GGUF: stacked as they are
     where every shard has a kernel format (one for all), requantized from the loaded float
@@ -604,7 +601,7 @@ def _from_gguf(
         shards = by_param.get(id(module.weight))
         if not shards:
             continue
-        if config.quantize_lm_head == "none" and _is_lm_head(name, module, tied_ids):
+        if config.quantize_lm_head == "none" and module.is_lm_head:
             continue
         offsets = getattr(module, "shard_offsets", None)  # a MergedLinear: its shards in row order
         order = sorted(offsets, key=lambda s: offsets[s][0]) if offsets else [None]

@@ -1,0 +1,160 @@
+"""The LM head's greedy screen: an 8-bit pass, then the plain kernel on the logits that may be the maximum."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.forward_context import reset_forward_context, set_forward_context  # noqa: E402
+from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head  # noqa: E402
+from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops, mark_lm_heads, pick_gemm  # noqa: E402
+from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.sampler import Sampler  # noqa: E402
+from model_utils import build_tiny_model, random_prompts  # noqa: E402
+
+ops = gemv_ops()
+needs_kernels = pytest.mark.skipif(ops is None, reason="the C++ kernels did not build")
+
+
+def near_tie_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows, and pairs of rows a hair apart: the 8-bit pass cannot tell them apart."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
+    for i in range(0, n // 2, 2):
+        w[i + 1] = w[i] + torch.randn(k, generator=g, dtype=torch.float64) * 1e-5
+    w[n // 2 + 1] = w[n // 2]  # an exact tie: the first of the two wins, as in torch.argmax
+    return w.to(dtype).contiguous()
+
+
+def screen_of(w: torch.Tensor) -> tuple[ArgmaxScreen, torch.Tensor]:
+    """An LM head's screen, and the packed weight its plain head takes past 8 rows."""
+    gemm, packed = pick_gemm(w)
+    return ArgmaxScreen(gemm), packed
+
+
+def screened(screen: ArgmaxScreen, x: torch.Tensor, packed: torch.Tensor, bias=None) -> torch.Tensor:
+    set_forward_context(argmax_only=True)
+    try:
+        return screen(x, packed, bias)
+    finally:
+        reset_forward_context()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_screened_argmax_and_kept_logits_are_the_plain_heads(dtype, with_bias):
+    n, k = 700, 96
+    w = near_tie_weight(n, k, dtype, seed=0)
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    screen, packed = screen_of(w)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 8):
+        for trial in range(20):
+            # rows aimed at a near-tie pair (and the exact tie), plus a random one
+            targets = torch.randint(0, n, (rows,), generator=g)
+            targets[0] = n // 2
+            x = (w[targets].double() * 40 + torch.randn(rows, k, generator=g, dtype=torch.float64)).to(dtype)
+            full = ops.gemv(x, w, bias)
+            out = screened(screen, x, packed, bias)
+            kept = torch.isfinite(out)
+            assert kept.any(dim=1).all()
+            assert torch.equal(out[kept], full[kept])  # bit for bit where kept
+            assert torch.equal(out.float().argmax(dim=1), full.float().argmax(dim=1))
+            assert torch.equal(screen(x, packed, bias), full)  # without the flag: the plain head
+
+
+@needs_kernels
+def test_a_bound_of_zero_would_pick_wrong_tokens():
+    """The near-ties above do need the bound: with it zeroed, the screen's argmax goes wrong."""
+    n, k = 700, 96
+    w = near_tie_weight(n, k, torch.float32, seed=0)
+    screen, packed = screen_of(w)
+    screen.per_norm = screen.per_max = 0.0
+    g = torch.Generator().manual_seed(1)
+    wrong = 0
+    for pair in range(0, n // 2, 2):
+        x = (w[pair].double() * 40 + torch.randn(1, k, generator=g, dtype=torch.float64)).float()
+        wrong += int(screened(screen, x, packed).argmax()) != int(ops.gemv(x, w, None).argmax())
+    assert wrong > 0
+
+
+@needs_kernels
+def test_rows_it_cannot_serve_take_the_plain_head():
+    w = near_tie_weight(300, 64, torch.float32, seed=2)
+    screen, packed = screen_of(w)
+    x = torch.randn(9, 64)  # more rows than the streaming kernel's 8
+    assert torch.equal(screened(screen, x, packed), screen.inner(x, packed, None))
+    x = torch.randn(1, 64)
+    x[0, 3] = float("nan")
+    assert screened(screen, x, packed).isnan().all()  # a NaN row: the plain head's NaN logits, not -inf
+    screen.make_batch_invariant()  # speculative decoding: one kernel at every row count
+    assert screen.batch_invariant and screen.kernel is None
+    assert not torch.isinf(screened(screen, torch.randn(1, 64), packed)).any()
+
+
+def test_only_lm_heads_are_screened(monkeypatch):
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(256, 64)
+    model.proj = Linear(64, 64, bias=False)
+    model.tied = Linear(64, 256, bias=False)
+    model.tied.weight = model.embed.weight
+    model.lm_head = Linear(64, 256, bias=False)
+    mark_lm_heads(model)
+    assert [model.proj.is_lm_head, model.tied.is_lm_head, model.lm_head.is_lm_head] == [False, True, True]
+    if ops is not None:
+        assert isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64), ops)), ArgmaxScreen)
+        assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 48), ops)), ArgmaxScreen)  # K % 32
+        monkeypatch.setenv("ATOM_DISABLE_ARGMAX_SCREEN", "1")
+        assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64), ops)), ArgmaxScreen)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    build_tiny_model("llama", folder)
+    return folder
+
+
+def count_screened(monkeypatch) -> list[int]:
+    calls = []
+    original = ArgmaxScreen.screened
+
+    def spy(self, x, bias):
+        out = original(self, x, bias)
+        calls.append(int(torch.isfinite(out).sum()) if out is not None else -1)
+        return out
+
+    monkeypatch.setattr(ArgmaxScreen, "screened", spy)
+    return calls
+
+
+@needs_kernels
+def test_engine_screens_greedy_steps_only_and_gives_the_plain_tokens(tiny, monkeypatch):
+    kw = dict(dtype="float32", num_kvcache_blocks=64, max_model_len=256, enable_prefix_caching=True)
+    prompts = random_prompts((5, 17, 33, 8))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    monkeypatch.setenv("ATOM_DISABLE_ARGMAX_SCREEN", "1")
+    plain = LLMEngine(tiny, **kw)
+    expected = [r["token_ids"] for r in plain.generate(prompts, greedy, use_tqdm=False)]
+    plain.generate(prompts[:1], greedy, use_tqdm=False)
+    plain_logits = plain.runner.last_logits
+    monkeypatch.delenv("ATOM_DISABLE_ARGMAX_SCREEN")
+    engine = LLMEngine(tiny, **kw)
+    calls = count_screened(monkeypatch)
+    assert [r["token_ids"] for r in engine.generate(prompts, greedy, use_tqdm=False)] == expected
+    assert calls and all(0 < c < 256 * 8 for c in calls)  # screened, and most logits left out
+    engine.generate(prompts[:1], greedy, use_tqdm=False)
+    assert torch.equal(engine.runner.last_logits, plain_logits)  # computed whole when asked
+
+    # Steps that read more than the argmax take the plain head.
+    calls.clear()
+    with_logprobs = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=4)
+    out = engine.generate(prompts[:2], [with_logprobs, sampled], use_tqdm=False)
+    assert not calls and all(len(e) >= 2 for e in out[0]["logprobs"])
+    monkeypatch.setattr(Sampler, "greedy_reads_argmax_only", False)  # as a sampler plugin that reads rows whole
+    engine.generate(prompts[:1], greedy, use_tqdm=False)
+    assert not calls
