@@ -4,10 +4,11 @@
 // times, so the kernel's job is to keep the memory bus busy. oneDNN's packed GEMM reads
 // SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine. Each thread takes a
 // contiguous run of output rows. Where the weight stream is the limit (bfloat16 weights
-// at 1-8 rows, float32 at 1-3) the thread reads them one whole row after another, each line
+// at 1-8 rows, float32 at 1-5) the thread reads them one whole row after another, each line
 // prefetched (non-temporal) PREFETCH_ROWS rows ahead: on the EPYC this was measured on,
 // 11-27% faster than walking several rows side by side, which had won on the earlier
-// machine (27 -> 35 GB/s float32). Where the FMAs are the limit (float32 at 4-8
+// machine (27 -> 35 GB/s float32), and at float32's 4 and 5 rows 25% faster than 3 rows side
+// by side (45 against 36 GB/s, copy 43). Where the arithmetic sets the pace (float32 at 6-8
 // rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
 // L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
 // bfloat16 too, else widened exactly), one chain per output in k order in both layouts,
@@ -127,12 +128,12 @@ inline void tile_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w
 // float (x widened once) or, with bfloat16 weights and activations, bfloat16 itself.
 template <typename W, typename X, typename T, int M>
 void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_t ldy, int64_t begin, int64_t end) {
-  // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 3 rows of
+  // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 5 rows of
   // x): one weight row at a time, each line prefetched PREFETCH_ROWS rows ahead. Otherwise R
   // weight rows side by side, so that each load of x serves R rows, the next R rows
   // prefetched line by line. Every output is one chain of products in k order whatever M
   // and R: a row of x computes alike at 1 to 8 rows.
-  constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 3;
+  constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 5;
   constexpr int R = STREAM ? 1 : 3;
   float part[M * R];
   int64_t n = begin;
