@@ -23,13 +23,13 @@ from atom_core.compile import compile_model
 from atom_core.config import Config
 from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
-from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads
+from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
 from atom_core.plugins import get_registry
 from atom_core.policy import policy_class
-from atom_core.sampler import SamplingMetadata
+from atom_core.sampler import SamplingMetadata, reads_argmax_only
 from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sequence import Sequence
 from atom_core.speculative import ProposalInput, Proposer, crowded, wanted_drafts
@@ -108,7 +108,9 @@ class ModelRunner:
         draft_modules = self.proposer.draft_modules() if self.proposer else []
         self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
         # the last step's logits and the row each request sampled from (`last_logits`)
-        self._last_logits: tuple[torch.Tensor | None, bool, np.ndarray | None] = (None, False, None)
+        self._last_logits: torch.Tensor | None = None
+        self._last_hidden: torch.Tensor | None = None
+        self._last_rows: np.ndarray | None = None
         if self.proposer and self.proposer.aux_hidden_layers:
             self._capture_aux_hidden(self.proposer.aux_hidden_layers)
         self.attn_layers = [
@@ -124,6 +126,8 @@ class ModelRunner:
             t: builders.get(t)(self, layers) for t, layers in by_type.items()
         }
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
+        if not spec and reads_argmax_only(self.sampler):
+            prepare_lm_head_screens(self.model)  # at load, not in the first request's first token
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
         reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
         self.num_kvcache_blocks = self._size_kv_pool(len(reserved))
@@ -349,11 +353,12 @@ class ModelRunner:
         timings["sample"] += t3 - t2
         timings["propose"] += time.perf_counter() - t3
         # The logits each request sampled its last token from, a row per request of
-        # `last_req_ids`: for parity checks and debugging.
+        # `last_req_ids`: for parity checks and debugging. An argmax-only step's logits may
+        # be mostly -inf, so its hidden states are kept instead, to compute them whole when asked.
         self.last_req_ids = sample_ids
-        # An argmax-only step's logits may be mostly -inf: those are computed again, whole, from the hidden states.
-        last = (scored, True) if rows and argmax_only else (logits, False)
-        self._last_logits = (*last, starts + [len(t) - 1 for t in tokens]) if rows else (None, False, None)
+        self._last_logits = logits if rows and not argmax_only else None
+        self._last_hidden = scored if rows and argmax_only else None
+        self._last_rows = starts + [len(t) - 1 for t in tokens] if rows else None
         out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
         out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
@@ -399,18 +404,18 @@ class ModelRunner:
     def last_logits(self) -> torch.Tensor:
         """float32 [requests, vocab]: the logits each request of `last_req_ids` sampled its last
         token from (selected when asked: parity checks and debugging, not every step)."""
-        logits, is_hidden, rows = self._last_logits
+        logits = self._last_logits
+        if self._last_hidden is not None:
+            with torch.inference_mode():
+                logits = self.model.compute_logits(self._last_hidden)  # all rows at once: the step's kernel
         if logits is None:
             return torch.empty((0, 0))
-        if is_hidden:
-            with torch.inference_mode():
-                logits = self.model.compute_logits(logits)  # all rows at once: the step's kernel
-        return logits[torch.from_numpy(rows)].float()
+        return logits[torch.from_numpy(self._last_rows)].float()
 
     def _argmax_only(self, sample_ids: list[int], seqs: dict[int, Sequence], drafts: list[list[int]]) -> bool:
         """Whether this step reads nothing of its logits but each row's argmax: every sampling
         request greedy without log probabilities, and what samples them says greedy rows read
-        the argmax alone (`greedy_reads_argmax_only`)."""
+        the argmax alone (`sampler.reads_argmax_only`)."""
         if not sample_ids:
             return False
         for rid in sample_ids:
@@ -418,7 +423,7 @@ class ModelRunner:
             if not params.is_greedy or params.logprobs is not None:
                 return False
         samplers = [self.sampler, self.verifier] if any(drafts) else [self.sampler]
-        return all(getattr(s, "greedy_reads_argmax_only", False) for s in samplers)
+        return all(reads_argmax_only(s) for s in samplers)
 
     def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""

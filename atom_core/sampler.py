@@ -37,11 +37,16 @@ class SamplingMetadata:
         )
 
 
+def reads_argmax_only(sampler: Any) -> bool:
+    """Whether `sampler`'s own class says a greedy row reads nothing of its logits but the
+    argmax (`greedy_reads_argmax_only = True`): the runner may then hand it rows that are
+    -inf wherever they cannot be the maximum (`layers/argmax_screen.py`). Not inherited: a
+    subclass that masks or biases logits must not get such rows without saying so."""
+    return vars(type(sampler)).get("greedy_reads_argmax_only", False) is True
+
+
 class Sampler:
-    # A greedy row's token is its logits' argmax, and nothing else of the row is read: the
-    # runner may hand such rows logits that are -inf wherever they cannot be the maximum
-    # (`layers/argmax_screen.py`). A sampler plugin without this attribute gets them whole.
-    greedy_reads_argmax_only = True
+    greedy_reads_argmax_only = True  # see `reads_argmax_only`
 
     def __init__(self, config: Any = None):
         seed = getattr(config, "seed", 0) or 0

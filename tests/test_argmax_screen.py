@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
+from atom_core import SamplingParams, get_plugin_manager, hookimpl  # noqa: E402
 from atom_core.forward_context import reset_forward_context, set_forward_context  # noqa: E402
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head  # noqa: E402
 from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops, mark_lm_heads, pick_gemm  # noqa: E402
@@ -72,6 +72,7 @@ def test_a_bound_of_zero_would_pick_wrong_tokens():
     n, k = 700, 96
     w = near_tie_weight(n, k, torch.float32, seed=0)
     screen, packed = screen_of(w)
+    screen.build(None)
     screen.per_norm = screen.per_max = 0.0
     g = torch.Generator().manual_seed(1)
     wrong = 0
@@ -90,9 +91,45 @@ def test_rows_it_cannot_serve_take_the_plain_head():
     x = torch.randn(1, 64)
     x[0, 3] = float("nan")
     assert screened(screen, x, packed).isnan().all()  # a NaN row: the plain head's NaN logits, not -inf
+    x = torch.zeros(1, 64)  # a flat row: every logit may be the maximum
+    assert torch.equal(screened(screen, x, packed), screen.inner(x, packed, None))
     screen.make_batch_invariant()  # speculative decoding: one kernel at every row count
     assert screen.batch_invariant and screen.kernel is None
     assert not torch.isinf(screened(screen, torch.randn(1, 64), packed)).any()
+
+
+@needs_kernels
+def test_a_bias_that_is_not_finite_takes_the_plain_head():
+    w = near_tie_weight(300, 64, torch.float32, seed=3)
+    bias = torch.zeros(300)
+    bias[10] = float("inf")
+    screen, packed = screen_of(w)
+    x = torch.randn(1, 64)
+    assert torch.equal(screened(screen, x, packed, bias), screen.inner(x, packed, bias))
+    assert int(screened(screen, x, packed, bias).argmax()) == 10
+
+
+@needs_kernels
+def test_bfloat16_ties_survive_a_large_bound():
+    """Weights whose float16 scales round to 0 make the 8-bit copy all zeros (an error as large
+    as the bound allows), and logits far below 0 with a bound of tens: the first of two plain
+    logits that round to the same bfloat16 value must stay in."""
+    k, n = 32, 16
+    v = (torch.full((k,), 3e-6) * torch.tensor([1.0, -1.0]).repeat(k // 2)).to(torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[0], w[1] = v, -v
+    screen, packed = screen_of(w)
+    x = (v.float() * 2.0**38).to(torch.bfloat16)[None]
+    for bias_1 in torch.arange(-1.5, 0.0, 0.0625):
+        for bias_0 in torch.arange(-170.0, -150.0, 0.5):
+            bias = torch.full((n,), -1e4)
+            bias[0], bias[1] = bias_0, bias_1
+            bias = bias.to(torch.bfloat16)
+            full = ops.gemv(x, w, bias)
+            out = screened(screen, x, packed, bias)
+            kept = torch.isfinite(out)
+            assert torch.equal(out[kept], full[kept])
+            assert int(out.float().argmax()) == int(full.float().argmax())
 
 
 def test_only_lm_heads_are_screened(monkeypatch):
@@ -105,7 +142,8 @@ def test_only_lm_heads_are_screened(monkeypatch):
     mark_lm_heads(model)
     assert [model.proj.is_lm_head, model.tied.is_lm_head, model.lm_head.is_lm_head] == [False, True, True]
     if ops is not None:
-        assert isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64), ops)), ArgmaxScreen)
+        screen = screen_lm_head(StreamingGemm(torch.randn(256, 64), ops))
+        assert isinstance(screen, ArgmaxScreen) and screen.kernel is None  # the 8-bit copy waits for a greedy step
         assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 48), ops)), ArgmaxScreen)  # K % 32
         monkeypatch.setenv("ATOM_DISABLE_ARGMAX_SCREEN", "1")
         assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64), ops)), ArgmaxScreen)
@@ -143,6 +181,8 @@ def test_engine_screens_greedy_steps_only_and_gives_the_plain_tokens(tiny, monke
     plain_logits = plain.runner.last_logits
     monkeypatch.delenv("ATOM_DISABLE_ARGMAX_SCREEN")
     engine = LLMEngine(tiny, **kw)
+    head = engine.runner.model.lm_head.gemm
+    assert isinstance(head, ArgmaxScreen) and head.kernel is not None  # the 8-bit copy made at load
     calls = count_screened(monkeypatch)
     assert [r["token_ids"] for r in engine.generate(prompts, greedy, use_tqdm=False)] == expected
     assert calls and all(0 < c < 256 * 8 for c in calls)  # screened, and most logits left out
@@ -158,3 +198,43 @@ def test_engine_screens_greedy_steps_only_and_gives_the_plain_tokens(tiny, monke
     monkeypatch.setattr(Sampler, "greedy_reads_argmax_only", False)  # as a sampler plugin that reads rows whole
     engine.generate(prompts[:1], greedy, use_tqdm=False)
     assert not calls
+
+
+class BanWords(Sampler):
+    """A sampler plugin that masks tokens for greedy rows too: it inherits the attribute, not the promise."""
+
+    def __call__(self, logits, meta):
+        logits = logits.float().clone()
+        logits[:, ::3] = float("-inf")
+        return super().__call__(logits, meta)
+
+
+class BanWordsPlugin:
+    @hookimpl
+    def atom_register_samplers(self, registry):
+        registry.register("ban-words", BanWords)
+
+
+@needs_kernels
+def test_a_sampler_subclass_gets_whole_logits_unless_it_says_otherwise(tiny, monkeypatch):
+    pm = get_plugin_manager()
+    plugin = BanWordsPlugin()
+    pm.register(plugin, name="ban-words-test")
+    try:
+        calls = count_screened(monkeypatch)
+        engine = LLMEngine(tiny, dtype="float32", num_kvcache_blocks=64, max_model_len=256, sampler="ban-words")
+        out = engine.generate(random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert not calls
+        assert all(t % 3 for r in out for t in r["token_ids"])
+    finally:
+        pm.unregister(plugin)
+
+
+@needs_kernels
+def test_under_speculative_decoding_the_head_makes_no_copy(tiny, monkeypatch):
+    calls = count_screened(monkeypatch)
+    spec = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = LLMEngine(tiny, dtype="float32", num_kvcache_blocks=64, max_model_len=256, speculative_config=spec)
+    engine.generate(random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    head = engine.runner.model.lm_head.gemm
+    assert isinstance(head, ArgmaxScreen) and head.kernel is None and head.batch_invariant and not calls

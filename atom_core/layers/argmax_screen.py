@@ -19,13 +19,22 @@ D: the largest distance between a weight row and its 8-bit copy; W, Q and Z: the
 norms of a weight row, of the copy's `q * scale` part and of its `min` part; x16: x as the
 kernel rounds it (int16 per group of 32, at most 0.55 * max|x| / 32767 off per value);
 c: float32 rounding of both kernels' sums ((K + 2 K / 32 + 8) units of 2^-24, 1% slack).
-Where the plain head rounds its output to bfloat16, `near_max`'s relative margin covers it.
+A logit is kept when it is within twice (bound (1 + 2 eps) + eps (|max| + 1)) of the
+screen's maximum (`near_max`): eps is bfloat16's unit roundoff with 5% slack where the
+plain head rounds its output to bfloat16 (a value off by eps of itself), 2^-22 in float32.
+Its absolute eps also covers what the bound leaves out: the kernel's underflow on
+activations below ~1e-30.
 
 The runner asks for it with `ForwardContext.argmax_only`, which it sets only for steps
 whose every sampling row is greedy, asks for no log probabilities and goes to a sampler
-that reads a greedy row's argmax alone (`greedy_reads_argmax_only`). Rows beyond the
-streaming kernel's (over 8, or a batch-invariant head) take the plain head, as does a row
-that is not finite. ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
+whose class declares that a greedy row reads its argmax alone (`greedy_reads_argmax_only`,
+not inherited). The 8-bit copy (0.4 s for SmolLM2) is made at load for a target model
+whose sampler can use it (`linear.prepare_lm_head_screens`), else at the first screened
+step, so a head that never screens (a draft's, or a target's under speculative decoding,
+whose GEMMs are batch-invariant) costs nothing. Rows beyond the streaming kernel's (over 8),
+rows that are not finite, a head with a bias that is not finite, and rows whose kept
+logits would be more than an eighth of the vocabulary (a flat row) take the plain head.
+ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
 """
 
 from __future__ import annotations
@@ -42,22 +51,31 @@ from atom_core.layers.quant import StreamingGroupGemm, quantize_int8
 
 GROUP = 32
 ROUNDOFF = 2.0**-24  # float32's unit roundoff
-# `near_max`'s relative margin: bfloat16's unit roundoff with 5% slack where the plain head
-# rounds its output to bfloat16, next to nothing where it keeps float32.
-EPS = {torch.bfloat16: 2.0**-8 * 1.05, torch.float32: 2.0**-22}
+EPS = {torch.bfloat16: 2.0**-8 * 1.05, torch.float32: 2.0**-22}  # see the module's docstring
+MAX_KEPT = 1 / 8  # past this share of a row's logits, the plain head is cheaper
 
 
 class ArgmaxScreen:
     """Wraps an LM head's streaming GEMM (`linear.StreamingGemm`); see the module's docstring."""
 
     def __init__(self, inner: Any):
-        weight = inner.weight
+        self.inner, self.out_features = inner, inner.weight.shape[0]
+        self.kernel: StreamingGroupGemm | None = None  # made at the first screened step
+        self.usable = True
+
+    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if get_forward_context().argmax_only and 0 < rows <= self.inner.max_rows and x.dtype in EPS and self.usable:
+            out = self.screened(x, bias)
+            if out is not None:
+                return out
+        return self.inner(x, weight, bias)
+
+    def build(self, bias: torch.Tensor | None) -> None:
+        """The 8-bit copy and the bound's constants; `usable` False where they cannot serve."""
+        weight = self.inner.weight
         n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"the screen takes in_features a multiple of {GROUP}, not {k}")
-        self.inner, self.out_features, self.in_features = inner, n, k
         qw = quantize_int8(weight, GROUP)
-        self.kernel = StreamingGroupGemm(qw, inner.ops)
         codes, scales, mins = StreamingGroupGemm.codes(qw)
         d = w = q = z = 0.0
         for i in range(0, n, 4096):  # a float64 vocabulary at once is big
@@ -69,43 +87,41 @@ class ArgmaxScreen:
             w = max(w, float(rows.norm(dim=1).max()))
             q = max(q, float(part.norm(dim=1).max()))
             z = max(z, float(zero.norm(dim=1).max()))
-        if not all(math.isfinite(v) for v in (d, w, q, z)):
-            raise ValueError("the weight does not fit float16 scales")
+        finite_bias = bias is None or bool(torch.isfinite(bias).all())
+        self.usable = finite_bias and all(math.isfinite(v) for v in (d, w, q, z))  # else: float16 scales overflow
+        if not self.usable:
+            return
         c = 1.01 * (k + 2 * k // GROUP + 8) * ROUNDOFF
         self.per_norm = d + c * (w + q + z)  # times |x|
         self.per_max = q * 0.55 * math.sqrt(k) / 32767  # times max|x|
-
-    def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else 0
-        if get_forward_context().argmax_only and 0 < rows <= self.inner.max_rows and x.dtype in EPS:
-            out = self.screened(x, bias)
-            if out is not None:
-                return out
-        return self.inner(x, weight, bias)
+        self.kernel = StreamingGroupGemm(qw, self.inner.ops)
 
     def screened(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """[rows, vocab] in x's dtype: the plain head's logits where they may be the row's
-        maximum, -inf elsewhere; None for a row that is not finite."""
+        maximum, -inf elsewhere; None where the plain head must serve."""
+        if self.kernel is None:
+            self.build(bias)
+            if not self.usable:
+                return None
         xf = x.float().contiguous()
         bound = torch.linalg.vector_norm(xf, dim=1).mul_(self.per_norm).add_(xf.abs().amax(dim=1), alpha=self.per_max)
         if not math.isfinite(float(bound.max())):  # NaN or infinity in x
             return None
         eps = EPS[x.dtype]
-        hit_rows, hit_cols = near_max(self.kernel.qgemm(xf, bias), bound.div_(eps), eps)
+        # near_max keeps x >= max - 2 eps (base + |max| + 1): base = bound (1 / eps + 2)
+        hit_rows, hit_cols = near_max(self.kernel.qgemm(xf, bias), bound.mul_(1 / eps + 2), eps)
+        if hit_cols.numel() > MAX_KEPT * x.shape[0] * self.out_features:
+            return None
         out = torch.full((x.shape[0], self.out_features), float("-inf"), dtype=x.dtype)
-        weight = self.inner.weight
-        if x.shape[0] == 1:  # one row: its columns come sorted and distinct
-            out[0, hit_cols] = self.inner.ops.gemv(x, weight[hit_cols], None if bias is None else bias[hit_cols])[0]
-        else:
-            cols, where = torch.unique(hit_cols, return_inverse=True)
-            exact = self.inner.ops.gemv(x, weight[cols], None if bias is None else bias[cols])
-            out[hit_rows, hit_cols] = exact[hit_rows, where]
+        cols, where = torch.unique(hit_cols, return_inverse=True)
+        exact = self.inner.ops.gemv(x, self.inner.weight[cols], None if bias is None else bias[cols])
+        out[hit_rows, hit_cols] = exact[hit_rows, where]
         return out
 
     def make_batch_invariant(self) -> None:
         """The plain head's one kernel at every row count; the screen (a 1-8 row path) goes."""
         self.inner.make_batch_invariant()
-        self.kernel = None
+        self.kernel, self.usable = None, False
 
     @property
     def batch_invariant(self) -> bool:
@@ -113,13 +129,12 @@ class ArgmaxScreen:
 
 
 def screen_lm_head(gemm: Any) -> Any:
-    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel on a float
-    weight whose in_features are whole groups of 32); else `gemm` itself."""
-    if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or getattr(gemm, "weight", None) is None:
+    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, whose plain
+    float weight has in_features in whole groups of 32); else `gemm` itself."""
+    weight = getattr(gemm, "weight", None)
+    streaming = all(hasattr(gemm, a) for a in ("max_rows", "ops", "make_batch_invariant"))
+    if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or weight is None or not streaming:
         return gemm
-    if not hasattr(gemm, "max_rows") or gemm.weight.shape[1] % GROUP:
+    if weight.dim() != 2 or weight.shape[1] % GROUP or weight.dtype not in EPS:
         return gemm
-    try:
-        return ArgmaxScreen(gemm)
-    except ValueError:
-        return gemm
+    return ArgmaxScreen(gemm)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers.argmax_screen import screen_lm_head
+from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
 from atom_core.layers.cpp import load_extension
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 
@@ -164,6 +164,13 @@ def mark_lm_heads(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if isinstance(m, Linear):
             m.is_lm_head = name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied
+
+
+def prepare_lm_head_screens(model: nn.Module) -> None:
+    """Make the 8-bit copies of `model`'s screened LM heads now (else the first screened step does)."""
+    for m in model.modules():
+        if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen) and m.gemm.kernel is None and m.gemm.usable:
+            m.gemm.build(m.bias)
 
 
 class MergedLinear(Linear):
