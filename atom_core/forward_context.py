@@ -33,7 +33,7 @@ class ForwardContext:
     dp_metadata: Any = None
     # Only the argmax of this step's logits is read (every sampling row greedy, no log
     # probabilities): an LM head may leave entries that cannot be the maximum at -inf
-    # (`layers/argmax_screen.py`).
+    # (`layers/argmax_screen.py`). Set only where a screened head exists (`ModelRunner.screens_lm_head`).
     argmax_only: bool = False
 
 

@@ -126,8 +126,10 @@ class ModelRunner:
             t: builders.get(t)(self, layers) for t, layers in by_type.items()
         }
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
-        if not spec and reads_argmax_only(self.sampler):
-            prepare_lm_head_screens(self.model)  # at load, not in the first request's first token
+        # Whether an argmax-only step can save anything: a screened LM head (made now, not in the
+        # first request's first token), a sampler that takes its rows, and no drafts to verify
+        # (their GEMMs are batch-invariant, which no screen serves).
+        self.screens_lm_head = not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
         reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
         self.num_kvcache_blocks = self._size_kv_pool(len(reserved))
@@ -316,7 +318,7 @@ class ModelRunner:
             context=Context(
                 positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
             ),
-            argmax_only=(argmax_only := self._argmax_only(sample_ids, seqs, drafts)),
+            argmax_only=(argmax_only := self.screens_lm_head and self._argmax_only(sample_ids, seqs)),
         )
         ends = meta.query_start_loc_cpu[1:][rows]  # one past each sampling row's last token
         t1 = time.perf_counter()
@@ -412,18 +414,17 @@ class ModelRunner:
             return torch.empty((0, 0))
         return logits[torch.from_numpy(self._last_rows)].float()
 
-    def _argmax_only(self, sample_ids: list[int], seqs: dict[int, Sequence], drafts: list[list[int]]) -> bool:
+    @staticmethod
+    def _argmax_only(sample_ids: list[int], seqs: dict[int, Sequence]) -> bool:
         """Whether this step reads nothing of its logits but each row's argmax: every sampling
-        request greedy without log probabilities, and what samples them says greedy rows read
-        the argmax alone (`sampler.reads_argmax_only`)."""
+        request greedy without log probabilities (the sampler's part is `screens_lm_head`)."""
         if not sample_ids:
             return False
         for rid in sample_ids:
             params = seqs[rid].sampling_params
             if not params.is_greedy or params.logprobs is not None:
                 return False
-        samplers = [self.sampler, self.verifier] if any(drafts) else [self.sampler]
-        return all(reads_argmax_only(s) for s in samplers)
+        return True
 
     def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
         """Each emitted token's log probability (and the top n) from the raw logits that scored it."""

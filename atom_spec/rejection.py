@@ -55,8 +55,6 @@ _GLOBAL_STREAM = -1
 class RejectionSampler:
     """Checks each request's drafts against the target's logits and adds one target token."""
 
-    greedy_reads_argmax_only = True  # greedy rows compare drafts with the argmax alone (`sampler.reads_argmax_only`)
-
     def __init__(self, config: Any = None, generator: torch.Generator | None = None):
         """`generator` (optional) shares the plain Sampler's global stream; by default this
         sampler keeps its own, derived from `config.seed`."""

@@ -196,6 +196,8 @@ def test_engine_screens_greedy_steps_only_and_gives_the_plain_tokens(tiny, monke
     out = engine.generate(prompts[:2], [with_logprobs, sampled], use_tqdm=False)
     assert not calls and all(len(e) >= 2 for e in out[0]["logprobs"])
     monkeypatch.setattr(Sampler, "greedy_reads_argmax_only", False)  # as a sampler plugin that reads rows whole
+    engine = LLMEngine(tiny, **kw)
+    assert not engine.runner.screens_lm_head
     engine.generate(prompts[:1], greedy, use_tqdm=False)
     assert not calls
 
@@ -238,3 +240,4 @@ def test_under_speculative_decoding_the_head_makes_no_copy(tiny, monkeypatch):
     engine.generate(random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     head = engine.runner.model.lm_head.gemm
     assert isinstance(head, ArgmaxScreen) and head.kernel is None and head.batch_invariant and not calls
+    assert not engine.runner.screens_lm_head

@@ -166,11 +166,14 @@ def mark_lm_heads(model: nn.Module) -> None:
             m.is_lm_head = name.rpartition(".")[2] == "lm_head" or id(m.weight) in tied
 
 
-def prepare_lm_head_screens(model: nn.Module) -> None:
-    """Make the 8-bit copies of `model`'s screened LM heads now (else the first screened step does)."""
-    for m in model.modules():
-        if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen) and m.gemm.kernel is None and m.gemm.usable:
+def prepare_lm_head_screens(model: nn.Module) -> bool:
+    """Make the 8-bit copies of `model`'s screened LM heads now (else the first screened step
+    does); whether any head can screen."""
+    screens = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen)]
+    for m in screens:
+        if m.gemm.kernel is None and m.gemm.usable:
             m.gemm.build(m.bias)
+    return any(m.gemm.usable for m in screens)
 
 
 class MergedLinear(Linear):
