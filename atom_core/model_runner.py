@@ -24,6 +24,7 @@ from atom_core.config import Config
 from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens
+from atom_core.memory import weight_arena
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
@@ -164,9 +165,10 @@ class ModelRunner:
         mark_lm_heads(module)
         if quantize:
             quantize_model(module, self.config)  # Config.quantization: which Linears run quantized
-        for m in module.modules():
-            if hasattr(m, "process_weights_after_loading"):
-                m.process_weights_after_loading()
+        with weight_arena():  # what the kernels stream goes into huge pages
+            for m in module.modules():
+                if hasattr(m, "process_weights_after_loading"):
+                    m.process_weights_after_loading()
         return module.eval()
 
     def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:

@@ -2,9 +2,11 @@
 
 SmolLM2's 30 layers of weight shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536), random values, each GEMM run once per pass over all 120 so the weights come
-from memory, not cache (as in a decode step). Reported: weight bytes read per second,
-best of `--repeats` passes, and the same machine's bandwidth for reference (a copy, and a
-read-only sum, of 256 MiB).
+from memory, not cache (as in a decode step), placed as the engine places them (in huge
+pages, `memory.weight_arena`). Reported: weight bytes read per second, best of `--repeats`
+passes, against the machine's copy bandwidth (a 256 MiB copy, read + write, best of 3)
+measured right before and after each kernel: this host's bandwidth swings 2x within
+minutes, so only figures taken together compare.
 
 * float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on the plain weight against oneDNN's packed
   GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between.
@@ -25,6 +27,7 @@ import torch
 
 from atom_core.layers.linear import PACK_ROWS, _onednn_linear, gemv_ops
 from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
+from atom_core.memory import resident, weight_arena
 
 # SmolLM2's 30 layers: qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
@@ -42,40 +45,57 @@ def best_time(calls: list[Callable[[], object]], repeats: int) -> float:
     return best
 
 
-def machine_bandwidth() -> str:
-    # Random contents: a VM's host may merge pages that hold one repeated value (KSM), and
-    # reading those would come from cache.
-    a = torch.rand(64 << 20)
-    b = torch.empty_like(a)
-    copy = best_time([lambda: b.copy_(a)], 5)
-    total = best_time([lambda: a.sum()], 5)
-    return f"copy {2 * a.nbytes / copy / 1e9:.1f} GB/s (read + write), read-only sum {a.nbytes / total / 1e9:.1f} GB/s"
+class CopyBandwidth:
+    """GB/s of a 256 MiB copy (read + write), on huge pages like the weights."""
+
+    def __init__(self) -> None:
+        # Random contents: a VM's host may merge pages that hold one repeated value (KSM), and
+        # reading those would come from cache.
+        with weight_arena():
+            self.a = resident(torch.rand(64 << 20))
+            self.b = resident(torch.empty_like(self.a))
+
+    def __call__(self) -> float:
+        return 2 * self.a.nbytes / best_time([lambda: self.b.copy_(self.a)], 3) / 1e9
+
+    def around(self, measure: Callable[[], float]) -> tuple[float, float]:
+        """`measure()` and the mean copy bandwidth just before and after it."""
+        before = self()
+        value = measure()
+        return value, (before + self()) / 2
 
 
-def float_rows(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
+def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: str = "") -> None:
+    print(f"| {weights} | {m} | {mine:.1f} | {copy:.1f} | {mine / copy:.0%} | {peer:.1f}{peer_name} | {mine / peer:.2f}x |")
+
+
+def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
     ops = gemv_ops()
-    weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
+    with weight_arena():
+        weights = [resident(torch.randn(n, k).to(dtype)) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
     for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
-        mine = best_time([lambda w=w: ops.gemv(xs[w.shape[1]], w, None) for w in weights], repeats)
-        onednn = best_time([lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)], repeats)
-        print(f"| {str(dtype).removeprefix('torch.')} | {m} | {nbytes / mine / 1e9:.1f} | {nbytes / onednn / 1e9:.1f} "
-              f"| {onednn / mine:.2f}x |")  # fmt: skip
+        mine, machine = copy.around(
+            lambda: nbytes / best_time([lambda w=w: ops.gemv(xs[w.shape[1]], w, None) for w in weights], repeats) / 1e9
+        )
+        calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
+        row(str(dtype).removeprefix("torch."), m, mine, machine, nbytes / best_time(calls, repeats) / 1e9)
 
 
-def int4_rows(rows: list[int], repeats: int) -> None:
+def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
     ops = gemv_ops()
     weights = [quantize_int4(torch.randn(n, k) * 0.05, 32) for n, k in SHAPES]
-    mine = [StreamingGroupGemm(w, ops) for w in weights]
-    theirs = [Int4PackGemm(w) for w in weights]
+    with weight_arena():
+        mine = [StreamingGroupGemm(w, ops) for w in weights]
+        theirs = [Int4PackGemm(w) for w in weights]
     nbytes = sum(k.qweight.nbytes + k.scales.nbytes + k.mins.nbytes for k in mine)
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        a = best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats)
-        b = best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats)
-        print(f"| 4-bit groups of 32 | {m} | {nbytes / a / 1e9:.1f} | {nbytes / b / 1e9:.1f} (torch int4) | {b / a:.2f}x |")
+        a, machine = copy.around(lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9)
+        b = nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats) / 1e9
+        row("4-bit groups of 32", m, a, machine, b, " (torch int4)")
 
 
 def main() -> None:
@@ -89,14 +109,16 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     if gemv_ops() is None:
         raise SystemExit("the C++ kernels did not build (see the warning above)")
-    print(f"{args.threads} threads; this machine: {machine_bandwidth()}")
-    print("| weights | rows | Atom's streaming kernel (GB/s) | peer (GB/s) | Atom / peer |\n|---|---|---|---|---|")
+    copy = CopyBandwidth()
+    print(f"{args.threads} threads")
+    print("| weights | rows | Atom's streaming kernel (GB/s) | copy around it (GB/s) | of copy | peer (GB/s) | Atom / peer |")
+    print("|---|---|---|---|---|---|---|")
     kinds = args.weights.split(",")
     for dtype in (torch.float32, torch.bfloat16):
         if str(dtype).removeprefix("torch.") in kinds:
-            float_rows(dtype, rows, args.repeats)
+            float_rows(dtype, rows, args.repeats, copy)
     if "4bit" in kinds:
-        int4_rows(rows, args.repeats)
+        int4_rows(rows, args.repeats, copy)
 
 
 if __name__ == "__main__":

@@ -69,3 +69,75 @@ def test_pool_is_populated_over_its_whole_range(monkeypatch):
     assert populated[0][0] == t.data_ptr() and sum(n for _, n in populated) == nbytes
     assert all(a + n == b for (a, n), (b, _) in zip(populated, populated[1:]))
     assert resident_fraction(t.data_ptr(), nbytes) == 1.0
+
+
+def advised_huge(monkeypatch) -> list[tuple[int, int]]:
+    """The ranges `memory` advises into huge pages from now on."""
+    real, ranges = memory._madvise(), []
+
+    def spy(address: int, nbytes: int, advice: int) -> int:
+        if advice == memory.MADV_HUGEPAGE:
+            ranges.append((address, nbytes))
+        return real(address, nbytes, advice)
+
+    monkeypatch.setattr(memory, "_madvise", lambda: spy)
+    return ranges
+
+
+def inside(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(a <= start and end <= a + n for a, n in ranges)
+
+
+@linux_only
+def test_weight_arena_packs_weights_into_huge_page_regions(monkeypatch):
+    ranges = advised_huge(monkeypatch)
+    small = [torch.randn(5, 7), torch.randn(96, 64).bfloat16(), torch.randint(0, 255, (33,), dtype=torch.uint8)]
+    big = torch.randn(memory.WeightArena.REGION // 4 + 3)
+    with memory.weight_arena():
+        placed = [memory.resident(t) for t in small + [big]]
+    for t, p in zip(small + [big], placed):
+        assert torch.equal(t, p) and p.dtype == t.dtype and p.is_contiguous() and p.data_ptr() != t.data_ptr()
+        assert p.data_ptr() % memory.WeightArena.ALIGN == 0 and inside(p, ranges)
+    # Small weights share one region, 2 MiB-aligned; one larger than a region gets its own.
+    regions = {p.untyped_storage().data_ptr() for p in placed[:3]}
+    assert len(regions) == 1 and placed[3].untyped_storage().data_ptr() not in regions
+    assert all(a % HUGE_PAGE == 0 for a, _ in ranges)
+    placed[0].add_(1)  # a placed weight is its own memory
+    assert torch.equal(placed[0], small[0] + 1) and torch.equal(placed[1], small[1])
+
+
+def test_resident_outside_an_arena_is_the_tensor_itself():
+    t = torch.randn(4, 4)
+    assert memory.resident(t) is t
+
+
+@linux_only
+def test_huge_pages_can_be_switched_off(monkeypatch):
+    ranges = advised_huge(monkeypatch)
+    monkeypatch.setenv("ATOM_DISABLE_HUGE_PAGES", "1")
+    with memory.weight_arena():
+        p = memory.resident(torch.randn(64, 64))
+    empty_resident((1 << 20,), torch.float32, "cpu", wait=True)
+    assert p.shape == (64, 64) and not ranges
+
+
+@linux_only
+def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
+    from model_utils import build_tiny_model
+
+    from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops
+    from atom_core.llm_engine import LLMEngine
+
+    if gemv_ops() is None:
+        pytest.skip("the C++ kernels did not build here")
+    build_tiny_model("llama_tied_rope3", tmp_path)
+    ranges = advised_huge(monkeypatch)
+    engine = LLMEngine(tmp_path, dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    model = engine.runner.model
+    streamed = [m.gemm for m in model.modules() if isinstance(m, Linear)]
+    streamed = [getattr(g, "inner", g) for g in streamed]
+    assert streamed and all(isinstance(g, StreamingGemm) and inside(g.weight, ranges) for g in streamed)
+    # The tied LM head streams the embedding's own weight: one copy, not two.
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.gemm.inner.weight.data_ptr() == embedding.data_ptr()

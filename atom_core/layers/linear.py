@@ -33,6 +33,7 @@ from torch import nn
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
 from atom_core.layers.cpp import load_extension
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
+from atom_core.memory import resident, weight_arena
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -146,6 +147,8 @@ class Linear(nn.Linear):
             self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
             self.weight = None
             return
+        with torch.no_grad():  # a tied embedding moves with it: one copy
+            self.weight.data = resident(self.weight.data)
         self.gemm, weight = pick_gemm(self.weight)
         if self.is_lm_head:
             self.gemm = screen_lm_head(self.gemm)
@@ -170,9 +173,10 @@ def prepare_lm_head_screens(model: nn.Module) -> bool:
     """Make the 8-bit copies of `model`'s screened LM heads now (else the first screened step
     does); whether any head can screen."""
     screens = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen)]
-    for m in screens:
-        if m.gemm.kernel is None and m.gemm.usable:
-            m.gemm.build(m.bias)
+    with weight_arena():
+        for m in screens:
+            if m.gemm.kernel is None and m.gemm.usable:
+                m.gemm.build(m.bias)
     return any(m.gemm.usable for m in screens)
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core.layers.ops import near_max
+from atom_core.memory import resident
 
 logger = logging.getLogger("atom")
 
@@ -214,10 +215,10 @@ class Int4PackGemm:
         if pad:  # padded rows are (8 - 8) * 0 + 0 = 0
             scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
         # Packed by row blocks (the layout is per row): int32 nibbles of a whole vocabulary are big.
-        self.packed = torch.cat([
+        self.packed = resident(torch.cat([
             torch._convert_weight_to_int4pack_for_cpu(self._nibbles(qw.qweight[i : i + self.PACK_ROWS], pad), 1)
             for i in range(0, n, self.PACK_ROWS)
-        ])  # fmt: skip
+        ]))  # fmt: skip
         self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
 
     PACK_ROWS = 4096  # a multiple of 16
@@ -262,7 +263,7 @@ class StreamingGroupGemm:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
         self.ops, self.bits = ops, qw.bits
         self.out_features, self.in_features = n, k
-        self.qweight, self.scales, self.mins = self.pack(*self.codes(qw), qw.bits)
+        self.qweight, self.scales, self.mins = map(resident, self.pack(*self.codes(qw), qw.bits))
 
     @staticmethod
     def codes(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,7 +323,7 @@ class Int8PackGemm:
             raise ValueError(f"torch's int8 kernel takes one scale per output channel, not {qw.format}")
         self.out_features, self.in_features = n, k
         self.pad = -k % self.K_STEP
-        self.qweight = F.pad(qw.qweight, (0, self.pad)).contiguous()
+        self.qweight = resident(F.pad(qw.qweight, (0, self.pad)).contiguous())
         self.scales = qw.scales.reshape(n).to(KERNEL_DTYPE)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
