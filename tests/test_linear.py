@@ -82,7 +82,8 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
     that leave a partial tile (and runs split across threads)."""
     ops = gemv_ops()
     gen = torch.Generator().manual_seed(1)
-    for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96)]:
+    # (bfloat16 sums blocks of 32 in two chains: 80 and 120 end on a part block, even or odd)
+    for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96), (5, 80), (9, 120)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype) if bias else None
         for rows in range(1, int(ops.MAX_ROWS) + 1):
@@ -103,7 +104,7 @@ def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype):
     both layouts (one weight row at a time, and 3 side by side for float32 at 4-8 rows)."""
     ops = gemv_ops()
     gen = torch.Generator().manual_seed(2)
-    for n, k in [(131, 576), (1000, 47)]:
+    for n, k in [(131, 576), (1000, 47), (70, 120)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype)
         x = torch.randn(int(ops.MAX_ROWS), k, generator=gen).to(xdtype)

@@ -11,8 +11,9 @@
 // by side (45 against 36 GB/s, copy 43). Where the arithmetic sets the pace (float32 at 6-8
 // rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
 // L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
-// bfloat16 too, else widened exactly), one chain per output in k order in both layouts,
-// and each output rounds once to the activation dtype.
+// bfloat16 too, in two chains per output, see `row_bf16`; else widened exactly, one chain
+// per output in k order in both layouts), and each output rounds once to the activation
+// dtype. The weights themselves sit in 2 MiB pages (`memory.weight_arena`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -92,36 +93,37 @@ inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* out)
     UNROLL for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// bfloat16 weights against bfloat16 activations: pairs of exact products summed in float32
-// (`vdpbf16ps`), 32 weights per instruction; xb is x as bfloat16, K padded to even.
-template <int M, int R, bool STREAM>
-inline void tile_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w, int64_t ldw, float* out) {
-  __m512 acc[R][M];
-  UNROLL for (int r = 0; r < R; ++r)
-    UNROLL for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+// One bfloat16 weight row against M rows of bfloat16 activations: pairs of exact products
+// summed in float32 (`vdpbf16ps`), 32 weights per instruction. Each output keeps two chains,
+// the blocks of 32 at even and at odd positions along k, added before the lane sum: with
+// one chain, vdpbf16ps's 6-cycle latency set the pace at 6-8 rows (in cache, 8 rows: 58-66
+// -> 66-75 GB/s; from memory in fast spells, 6 rows: 78-80% -> 86-87% of copy bandwidth,
+// 8 rows: 70-72% -> 75-77%). Every M sums alike, so a row computes alike at 1 to 8 rows.
+template <int M, bool STREAM>
+inline void row_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w, int64_t ldw, float* out) {
+  __m512 even[M], odd[M];
+  UNROLL for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[R];
-    UNROLL for (int r = 0; r < R; ++r) {
-      prefetch_line<STREAM, R>(w + r * ldw + k, ldw);
-      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
-    }
+  for (; k + 64 <= K; k += 64) {
+    prefetch_line<STREAM, 1>(w + k, ldw);
+    prefetch_line<STREAM, 1>(w + k + 32, ldw);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
     UNROLL for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K + k);
-      UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+      even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
+      odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
     }
   }
-  if (k < K) {
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
-    __m512bh wv[R];
-    UNROLL for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
-    UNROLL for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + m * K + k);
-      UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-    }
-  }
-  UNROLL for (int m = 0; m < M; ++m)
-    UNROLL for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+  // Up to two blocks remain, the first at an even position (whole or not), the second odd.
+  auto block = [&](__m512(&acc)[M], int64_t k0) {
+    const int64_t n = K - k0 < 32 ? K - k0 : 32;
+    const __mmask32 mask = n == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << n) - 1u);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k0);
+    UNROLL for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + m * K + k0));
+  };
+  if (k < K) block(even, k);
+  if (k + 32 < K) block(odd, k + 32);
+  UNROLL for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
 }
 
 // Rows [begin, end) of w for all M rows of x, written to y (dtype T, row stride ldy). X is
@@ -131,8 +133,8 @@ void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_
   // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 5 rows of
   // x): one weight row at a time, each line prefetched PREFETCH_ROWS rows ahead. Otherwise R
   // weight rows side by side, so that each load of x serves R rows, the next R rows
-  // prefetched line by line. Every output is one chain of products in k order whatever M
-  // and R: a row of x computes alike at 1 to 8 rows.
+  // prefetched line by line. Every output sums its products in one order whatever M and
+  // R: a row of x computes alike at 1 to 8 rows.
   constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 5;
   constexpr int R = STREAM ? 1 : 3;
   float part[M * R];
@@ -143,8 +145,12 @@ void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_
   };
   auto run = [&](auto rows_tag, const W* wr, float* out) {
     constexpr int RT = decltype(rows_tag)::value;
-    if constexpr (std::is_same_v<X, c10::BFloat16>) tile_bf16<M, RT, STREAM>(x, K, wr, K, out);
-    else tile<W, M, RT, STREAM>(x, K, wr, K, out);
+    if constexpr (std::is_same_v<X, c10::BFloat16>) {
+      static_assert(RT == 1, "bfloat16 weights stream one row at a time");
+      row_bf16<M, STREAM>(x, K, wr, K, out);
+    } else {
+      tile<W, M, RT, STREAM>(x, K, wr, K, out);
+    }
   };
   for (; n + R <= end; n += R) {
     run(std::integral_constant<int, R>{}, w + n * K, part);
