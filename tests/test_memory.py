@@ -127,6 +127,7 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     from model_utils import build_tiny_model
 
     from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops
+    from atom_core.layers.quant import StreamingGroupGemm
     from atom_core.llm_engine import LLMEngine
 
     if gemv_ops() is None:
@@ -141,3 +142,11 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     # The tied LM head streams the embedding's own weight: one copy, not two.
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.gemm.inner.weight.data_ptr() == embedding.data_ptr()
+    screen = model.lm_head.gemm.kernel  # the greedy screen's 8-bit copy, made at load
+    assert screen is not None and all(inside(t, ranges) for t in (screen.qweight, screen.scales, screen.mins))
+
+    # 4-bit weights: the integer kernel's tiles.
+    engine = LLMEngine(tmp_path, dtype="float32", quantization="int4", num_kvcache_blocks=16, max_model_len=64)
+    kernels = [m.packed_weight for m in engine.runner.model.modules() if isinstance(m, Linear) and not m.is_lm_head]
+    assert kernels and all(isinstance(k, StreamingGroupGemm) for k in kernels)
+    assert all(inside(t, ranges) for k in kernels for t in (k.qweight, k.scales, k.mins))

@@ -9,12 +9,12 @@ the plain weight (a tied LM head leaves the embedding's alone). Other devices ke
 `F.linear`. A kernel plugin replaces `pick_gemm`. A layer given a quantized weight
 (`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
 
-At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, and oneDNN reads it at
-14-21 GB/s here; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads at 25-30 GB/s
-(float32) and 22-25 GB/s (bfloat16) of this machine's ~30 GB/s copy bandwidth
-(`benchmarks/gemv_bandwidth.py`), on the plain weight, which
-is kept beside the packed one for it: float weights take twice their size in memory on CPU
-(ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every row count).
+At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
+under the memory's pace; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
+or near the machine's copy bandwidth (`benchmarks/gemv_bandwidth.py`, README's Kernels),
+on the plain weight, placed in huge pages (`memory.weight_arena`) and kept beside the
+packed one: float weights take twice their size in memory on CPU (ATOM_DISABLE_GEMV=1
+keeps one copy and the oneDNN path at every row count).
 """
 
 from __future__ import annotations
