@@ -24,7 +24,7 @@ from atom_core.config import Config
 from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens
-from atom_core.memory import weight_arena
+from atom_core.memory import release_freed_heap, weight_arena
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
 from atom_core.layers.quant import quantize_model
@@ -143,6 +143,7 @@ class ModelRunner:
         for root in ([self.model] if self.run_model is self.model else []) + draft_modules:
             direct_calls(root)
         self.timings: dict[str, float] = defaultdict(float)
+        release_freed_heap()  # what loading freed: the checkpoint's tensors, kernels' staging copies
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:
         model = self.instantiate(lambda: model_cls(self.hf_config, self.config))
@@ -165,7 +166,9 @@ class ModelRunner:
         mark_lm_heads(module)
         if quantize:
             quantize_model(module, self.config)  # Config.quantization: which Linears run quantized
-        with weight_arena():  # what the kernels stream goes into huge pages
+        # What the kernels stream goes into huge pages, except where speculative decoding's
+        # batch-invariant GEMMs (`batch_invariant_gemms`) will drop the streamed copies.
+        with weight_arena(enabled=not self.config.speculative_config):
             for m in module.modules():
                 if hasattr(m, "process_weights_after_loading"):
                     m.process_weights_after_loading()

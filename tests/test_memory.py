@@ -107,6 +107,62 @@ def test_weight_arena_packs_weights_into_huge_page_regions(monkeypatch):
     assert torch.equal(placed[0], small[0] + 1) and torch.equal(placed[1], small[1])
 
 
+def mapping_of(address: int) -> dict[str, int] | None:
+    """The /proc/self/smaps entry (start, end and its kB fields) of the mapping holding `address`."""
+    entry = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                if entry is not None and entry["start"] <= address < entry["end"]:
+                    return entry
+                start, end = (int(a, 16) for a in head[0].split("-"))
+                entry = {"start": start, "end": end}
+            elif entry is not None and len(head) == 3 and head[2] == "kB":
+                entry[head[0].rstrip(":")] = int(head[1])
+    return entry if entry is not None and entry["start"] <= address < entry["end"] else None
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@linux_only
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+def test_arena_regions_get_huge_pages_even_after_the_heap_was_used():
+    """The engine keeps freed memory mapped (`keep_freed_memory_mapped`): from the heap, a
+    region would reuse pages already faulted in small. Its own mapping does not."""
+    from atom_core.model_runner import keep_freed_memory_mapped
+
+    keep_freed_memory_mapped()
+    junk = torch.ones(300 << 20, dtype=torch.uint8)  # what loading leaves behind
+    del junk
+    with memory.weight_arena():
+        w = memory.resident(torch.randn(4 << 20))  # 16 MiB
+    region = mapping_of(w.data_ptr())
+    assert region is not None and region["AnonHugePages"] >= 2048, region
+
+
+@linux_only
+def test_a_region_is_unmapped_with_its_last_weight():
+    import gc
+
+    with memory.weight_arena():
+        a, b = memory.resident(torch.randn(1000)), memory.resident(torch.randn(1000))
+    address = a.data_ptr()
+    assert mapping_of(address) is not None
+    del a
+    gc.collect()
+    assert mapping_of(address) is not None and torch.isfinite(b).all()  # b still holds the region
+    del b
+    gc.collect()
+    assert mapping_of(address) is None
+
+
 def test_resident_outside_an_arena_is_the_tensor_itself():
     t = torch.randn(4, 4)
     assert memory.resident(t) is t

@@ -147,9 +147,11 @@ class Linear(nn.Linear):
             self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
             self.weight = None
             return
-        with torch.no_grad():  # a tied embedding moves with it: one copy
-            self.weight.data = resident(self.weight.data)
         self.gemm, weight = pick_gemm(self.weight)
+        if isinstance(self.gemm, StreamingGemm):  # decode steps stream it: into huge pages
+            with torch.no_grad():  # a tied embedding moves with it: one copy
+                self.weight.data = resident(self.weight.data)
+            self.gemm.weight = self.weight.detach()
         if self.is_lm_head:
             self.gemm = screen_lm_head(self.gemm)
         if weight is not self.weight:

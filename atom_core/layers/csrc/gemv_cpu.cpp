@@ -117,6 +117,7 @@ inline void row_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w,
   auto block = [&](__m512(&acc)[M], int64_t k0) {
     const int64_t n = K - k0 < 32 ? K - k0 : 32;
     const __mmask32 mask = n == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << n) - 1u);
+    if (n == 32) prefetch_line<STREAM, 1>(w + k0, ldw);
     const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k0);
     UNROLL for (int m = 0; m < M; ++m)
       acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + m * K + k0));
