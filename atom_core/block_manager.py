@@ -281,6 +281,17 @@ class BlockManager:
         self._state_plans.pop(seq.id, None)
         self._version += 1
 
+    def unpublish(self, seq: Sequence, first: int) -> None:
+        """Take back from the prefix cache the blocks `seq` published for a step that never
+        ran (those from position `first` on): their KV was not written."""
+        for block_id in seq.block_table[first // self.block_size :]:
+            block = self.blocks[block_id]
+            if block.hash != -1:
+                if self.hash_to_block_id.get(block.hash) == block_id:
+                    self._forget_hash(block.hash)
+                block.hash, block.token_ids = -1, []
+        self._version += 1
+
     # -- growth: the next prefill chunk, or decode ------------------------------------
 
     def _add_lookahead(self, seq: Sequence, end: int) -> None:

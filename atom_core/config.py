@@ -54,6 +54,11 @@ def _one_of(choices: tuple) -> Any:
     return check
 
 
+def _max_logprobs(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class SpeculativeConfig:
     """Draft-and-verify decoding: each decode step checks up to `num_speculative_tokens` drafts.
@@ -173,8 +178,9 @@ class Config:
     interleave_prefill_decode: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     # `spyre`: ceiling on batch_size x max tkv at every decode step (the hardware's KV volume).
     max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
-    # Most top tokens a request may ask for in `logprobs` / `prompt_logprobs` (vLLM's max_logprobs).
-    max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
+    # Most top tokens a request may ask for in `logprobs` / `prompt_logprobs` (vLLM's
+    # max_logprobs); -1: no limit but the vocabulary.
+    max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)
     # True (default): run the model module by module. False: steps of up to 8 tokens take
     # the torch.compile'd forward (atom_core/compile.py; compiled on first use, cached on
     # disk). On CPU it measured no faster than eager here (docs/performance.md), hence the default.

@@ -180,10 +180,19 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer, and this model folder has none")
+        # The request keeps its own copy (as vLLM clones): reusing or changing the caller's
+        # object later does not reach a request already queued.
+        params = attrs.evolve(params)
+        limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
-            if n is not None and n > self.config.max_logprobs:
-                raise ValueError(f"{name}={n} exceeds max_logprobs={self.config.max_logprobs}")
+            if n == -1:  # the whole vocabulary
+                n = self.vocab_size
+                setattr(params, name, n)
+            if n is not None and limit != -1 and n > limit:
+                raise ValueError(f"{name}={n} exceeds max_logprobs={limit}")
+            if n is not None and n > self.vocab_size:
+                raise ValueError(f"{name}={n} exceeds the model's vocabulary of {self.vocab_size} tokens")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
@@ -230,7 +239,13 @@ class LLMEngine:
         self.timings["schedule"] += time.perf_counter() - t0
         if scheduled is not None:
             batch, seqs = scheduled
-            output = self.runner.forward(batch, seqs)
+            try:
+                output = self.runner.forward(batch, seqs)
+            except Exception:
+                # The step's requests end with finish_reason "error" (their results come
+                # from the next step()); every other request carries on.
+                self.scheduler.fail(batch, seqs)
+                raise
             t1 = time.perf_counter()
             for rid, cached in zip(batch.req_ids, batch.num_cached_tokens):
                 req = self._requests[rid]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import attrs
 
@@ -10,6 +11,13 @@ from atom_core._validators import token_id_list
 
 
 GREEDY_TEMPERATURE = 1e-5
+
+
+def _int_like(value: object) -> object:
+    """A numpy or other integral number becomes an int (bools stay, for the validators to refuse)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
 
 
 def _temperature(inst: object, attr: attrs.Attribute, value: object) -> None:
@@ -43,14 +51,22 @@ def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
 
 
 def _num_logprobs(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{attr.name} must be None or an integer >= 0 (how many top tokens to report), got {value!r}")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+        raise ValueError(
+            f"{attr.name} must be None, an integer >= 0 (how many top tokens to report) "
+            f"or -1 (the whole vocabulary), got {value!r}"
+        )
 
 
 def _stop_strings(value: object) -> list[str]:
     if value is None:
         return []
-    items = [value] if isinstance(value, str) else list(value)
+    if isinstance(value, str):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"stop_strings must be a string or a list of strings, got {value!r}")
     for s in items:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop_strings must be non-empty strings, got {s!r}")
@@ -60,19 +76,20 @@ def _stop_strings(value: object) -> list[str]:
 @attrs.define(kw_only=True)
 class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_temperature)
-    top_k: int = attrs.field(default=-1, validator=_top_k)
+    top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
     top_p: float = attrs.field(default=1.0, validator=_top_p)
-    max_tokens: int = attrs.field(default=64, validator=_max_tokens)
+    max_tokens: int = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
     ignore_eos: bool = attrs.field(default=False, validator=_flag)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
     # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
     # ignore_eos or not: vLLM's per-request stop_token_ids.
     stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
-    seed: int | None = attrs.field(default=None, validator=_seed)
+    seed: int | None = attrs.field(default=None, converter=_int_like, validator=_seed)
     # Log probabilities (vLLM's): for each generated token its own and the top n; for each
     # prompt token after the first likewise. Raw logits' log-softmax, before temperature.
-    logprobs: int | None = attrs.field(default=None, validator=_num_logprobs)
-    prompt_logprobs: int | None = attrs.field(default=None, validator=_num_logprobs)
+    # -1: the whole vocabulary (within the engine's `max_logprobs`, as in vLLM).
+    logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
+    prompt_logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
 
     @property
     def is_greedy(self) -> bool:

@@ -216,6 +216,19 @@ class Scheduler:
         self._finish_outside_step(seq, reason)
         return seq
 
+    def fail(self, batch: ScheduledBatch, seqs: dict[int, Sequence], reason: str = "error") -> None:
+        """End every request of a step whose forward pass raised, freeing their blocks.
+
+        Scheduling moved them past tokens that were never computed and published blocks
+        whose KV was never written; left so, they could never run again, and a later
+        prompt could hit the unwritten blocks. Requests outside the step are untouched.
+        """
+        for rid, first in zip(batch.req_ids, batch.num_computed_tokens):
+            seq = seqs[rid]
+            if self._queued.get(rid) is seq:
+                self.block_manager.unpublish(seq, first)
+                self.abort(rid, reason)
+
     def pop_finished(self) -> list[Sequence]:
         """Requests that ended outside `postprocess` (rejected, unschedulable, aborted) since the last call."""
         out, self._finished_outside_step = self._finished_outside_step, []

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from atom_core import Config, SamplingParams, SpeculativeConfig
@@ -78,6 +79,9 @@ def test_sampling_params_defaults():
     assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams(top_k=1).is_greedy
     assert SamplingParams(stop_strings="END").stop_strings == ["END"]
+    # numpy integers are integers (prompts take them too)
+    p = SamplingParams(max_tokens=np.int64(5), logprobs=np.int32(2), top_k=np.int64(3), seed=np.uint8(7))
+    assert (p.max_tokens, p.logprobs, p.top_k, p.seed) == (5, 2, 3, 7) and type(p.max_tokens) is int
 
 
 @pytest.mark.parametrize(
@@ -95,6 +99,9 @@ def test_sampling_params_defaults():
         ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
         ({"ignore_eos": None}, "ignore_eos must be True or False, got None"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
+        ({"stop_strings": 5}, "stop_strings must be a string or a list of strings, got 5"),
+        ({"logprobs": True}, "logprobs must be None, an integer >= 0"),
+        ({"max_tokens": np.float64(3)}, "max_tokens must be an integer >= 1"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, message):

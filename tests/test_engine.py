@@ -161,6 +161,32 @@ def test_abort_frees_blocks_and_leaves_others_untouched(engine):
     assert pool.num_free_blocks == 32
 
 
+def test_a_failed_step_ends_its_requests_and_leaves_the_engine_whole(tiny):
+    """A forward pass that raises ends the step's requests ("error"); requests outside the
+    step run on, the pool is whole, and the blocks the step never wrote are not cached."""
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=32, max_model_len=128, enable_prefix_caching=True, max_num_seqs=1)
+    pool = engine.scheduler.block_manager
+    long_prompt = list(range(40, 80))  # two full blocks, published when scheduled
+    bad = engine.add_request(long_prompt, GREEDY)
+    later = engine.add_request(PROMPTS[1], GREEDY)  # waits: one request at a time
+    forward = engine.runner.forward
+
+    def broken(batch, seqs):
+        raise RuntimeError("kernel failure")
+
+    engine.runner.forward = broken
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        engine.step()
+    engine.runner.forward = forward
+    results = {r["request_id"]: r for r in run(engine)}
+    assert results[bad]["finish_reason"] == "error" and results[bad]["token_ids"] == []
+    assert results[later]["token_ids"] == hf_greedy(tiny[1], PROMPTS[1], 12)
+    assert pool.num_free_blocks == 32
+    [again] = engine.generate([long_prompt], GREEDY, use_tqdm=False)
+    assert again["num_cached_tokens"] == 0  # the unwritten blocks were taken back
+    assert again["token_ids"] == hf_greedy(tiny[1], long_prompt, 12)
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [

@@ -106,8 +106,49 @@ def test_too_many_logprobs_is_refused_by_name(tiny):
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds max_logprobs=20"):
         engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=21))
-    with pytest.raises(ValueError, match="logprobs must be None or an integer"):
-        SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="logprobs=256 exceeds max_logprobs=20"):
+        engine.add_request([1, 2, 3], SamplingParams(logprobs=-1))  # the whole vocabulary
+    with pytest.raises(ValueError, match="logprobs must be None, an integer >= 0 .* or -1"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):
+        LLMEngine(folder, max_logprobs=-2)
+    # Past the vocabulary: refused where it is asked, not in a later step.
+    wide = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256, max_logprobs=1000)
+    with pytest.raises(ValueError, match="logprobs=300 exceeds the model's vocabulary of 256 tokens"):
+        wide.add_request([1, 2, 3], SamplingParams(logprobs=300))
+    assert not wide.has_unfinished_requests()
+
+
+def test_minus_one_reports_the_whole_vocabulary(tiny):
+    folder, model = tiny
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256, max_logprobs=-1)
+    [prompt] = random_prompts((9,), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    [r] = engine.generate([prompt], params, use_tqdm=False)
+    ref = reference(model, prompt + r["token_ids"])
+    check(r["prompt_logprobs"][1:], ref[: len(prompt) - 1], prompt[1:], 256)
+    check(r["logprobs"], ref[len(prompt) - 1 : -1], r["token_ids"], 256)
+    assert all(len(e) == 256 for e in r["logprobs"])
+
+
+def test_a_request_keeps_the_params_it_was_added_with(tiny):
+    """Reusing or changing a SamplingParams after add_request does not reach the request (as
+    vLLM clones them): a later change could otherwise turn log probabilities on or off midway."""
+    folder, _ = tiny
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    streamed = []
+    rid = engine.add_request([1, 2, 3], params, stream_callback=streamed.append)
+    engine.step()
+    params.logprobs, params.max_tokens = None, 2
+    other = engine.add_request([4, 5, 6], params)
+    params.logprobs = 50  # past max_logprobs: never checked against a queued request
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update((r["request_id"], r) for r in engine.step())
+    assert len(results[rid]["token_ids"]) == 6 and len(results[rid]["logprobs"]) == 6
+    assert all(len(out.logprobs) == len(out.output_tokens) for out in streamed)
+    assert len(results[other]["token_ids"]) == 2 and results[other]["logprobs"] is None
 
 
 def test_streamed_outputs_carry_the_logprobs_of_their_tokens(tiny):
