@@ -104,9 +104,10 @@ def test_quantization_error_is_half_a_step_and_quantized_weights_come_back_exact
         torch.testing.assert_close(again.dequantize(), qw.dequantize(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_runs_its_quantized_weight_in_the_models_dtype(mode, bias):
+def test_linear_runs_its_quantized_weight_in_the_models_dtype(mode, bias, dtype):
     layer = MergedLinear(128, {"a": 64, "b": 32}, bias=bias)
     with torch.no_grad():
         layer.weight.copy_(weight(96, 128))
@@ -118,11 +119,11 @@ def test_linear_runs_its_quantized_weight_in_the_models_dtype(mode, bias):
     layer.process_weights_after_loading()
     assert layer.weight is None and layer.quant is None
     for rows in ROWS:
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, 128, dtype=dtype)
         out = layer(x)
-        assert out.dtype == torch.float32
+        assert out.dtype == dtype
         within_bf16(out, x, w, b, qw)
-    a, bb = layer.split(layer(torch.randn(2, 128)))
+    a, bb = layer.split(layer(torch.randn(2, 128, dtype=dtype)))
     assert a.shape == (2, 64) and bb.shape == (2, 32)
 
 
@@ -333,6 +334,9 @@ def test_streaming_group_kernel_against_float64(bits):
             outb = kernel(xb)
             refb = kernel(xb.float())
             assert outb.dtype == torch.bfloat16 and torch.equal(outb, refb.bfloat16())
+            xh = x.half()  # float16 activations (a float16 model's) likewise
+            outh = kernel(xh)
+            assert outh.dtype == torch.float16 and torch.equal(outh, kernel(xh.float()).half())
         bias = torch.randn(n, generator=gen)
         out = quantized_linear(x, kernel, bias)
         torch.testing.assert_close(out.double(), x.double() @ w.T + bias.double(), atol=float(tol), rtol=0)

@@ -43,6 +43,9 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
@@ -358,8 +361,9 @@ void qgemm_block(int MB, const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "qgemm takes x [M, K], float32 or bfloat16, on CPU");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
+              "qgemm takes x [M, K], float32, bfloat16 or float16, on CPU");
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
   TORCH_CHECK(K % 32 == 0 && K > 0, "qgemm takes K a multiple of 32, got ", K);
   TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
@@ -397,12 +401,15 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
     if (bits == 4) run(std::integral_constant<int, 4>{}, yp);
     else run(std::integral_constant<int, 8>{}, yp);
   };
-  if (x.scalar_type() == at::kFloat) {
+  if (xt == at::kFloat) {
     quantize_rows(xc.data_ptr<float>(), M, K, xs);
     with_bits(y.data_ptr<float>());
-  } else {
+  } else if (xt == at::kBFloat16) {
     quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, xs);
     with_bits(y.data_ptr<c10::BFloat16>());
+  } else {
+    quantize_rows(xc.data_ptr<c10::Half>(), M, K, xs);
+    with_bits(y.data_ptr<c10::Half>());
   }
   return y;
 }
