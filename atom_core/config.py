@@ -44,11 +44,30 @@ def _rate(inst: object, attr: attrs.Attribute, value: object) -> None:
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
+def _device(inst: object, attr: attrs.Attribute, value: object) -> None:
+    # The type only: the core imports no torch; `check_device` asks torch when a model loads.
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}")
+
+
+def check_device(value: str) -> None:
+    """A device this torch can use: named here, not as an assertion deep inside a layer."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={value!r}, but this torch has no CUDA device (torch.cuda.is_available() is False)")
+
+
 def _one_of(choices: tuple) -> Any:
     """A validator whose error names the field, the choices and the value."""
 
     def check(inst: object, attr: attrs.Attribute, value: object) -> None:
-        if isinstance(value, bool) or value not in choices:
+        # type too: 32.0 == 32, but a float group size fails deep in a reshape
+        if isinstance(value, bool) or not any(type(value) is type(c) and value == c for c in choices):
             raise ValueError(f"{attr.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
     return check
@@ -149,7 +168,7 @@ class Config:
     # -- model execution (read by the model runner and the engine) --
     # "auto" takes the checkpoint's dtype; "float32", "bfloat16" or "float16" force one.
     dtype: str = attrs.field(default="auto", validator=_dtype)
-    device: str = "cpu"
+    device: str = attrs.field(default="cpu", validator=_device)
     # Bytes for the KV pool; None = a quarter of free RAM on CPU, or
     # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.
     kv_cache_memory: int | None = attrs.field(default=None, validator=positive)

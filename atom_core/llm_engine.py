@@ -6,6 +6,7 @@ are the incremental interface a server builds on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence as SequenceABC
@@ -14,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from atom_core.config import Config
+from atom_core.config import Config, check_device
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler import Scheduler
@@ -36,15 +37,22 @@ def resolve_model(model: str | Path | None) -> Path:
         from atom_core.gguf_loader import gguf_to_hf_folder, write_gguf_blocks
         from atom_core.loader import GGUF_BLOCKS_FILE
 
+        # Named by the file's full path as well as its size and modification time (in ns):
+        # two files of one name, size and copied timestamp (two fine-tunes at one quant type,
+        # `cp -p`) must not share a converted folder.
         stat = path.stat()
-        out = default_cache_dir() / "models" / f"{path.stem}-{stat.st_size:x}-{int(stat.st_mtime):x}"
+        where = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+        out = default_cache_dir() / "models" / f"{path.stem}-{stat.st_size:x}-{stat.st_mtime_ns:x}-{where}"
         try:
             if not (out / "config.json").exists():
                 return gguf_to_hf_folder(path, out)
             if not (out / GGUF_BLOCKS_FILE).exists():  # converted before Atom kept the quantized blocks
                 write_gguf_blocks(path, out)
-        except ValueError as e:  # gguf's own messages ("GGUF magic invalid") do not name the file
-            raise ValueError(f"{path}: not a GGUF file Atom can read: {e}") from e
+        except Exception as e:  # gguf's and numpy's messages ("GGUF magic invalid", an IndexError
+            # from a cut-off header, a reshape of a cut-off tensor) do not name the file
+            raise ValueError(
+                f"{path}: not a GGUF file Atom can read (truncated or corrupt?): {type(e).__name__}: {e}"
+            ) from e
         return out
     if (path / "config.json").is_file():
         return path
@@ -94,6 +102,7 @@ class LLMEngine:
             )
         from transformers import AutoConfig
 
+        check_device(Config(**kwargs).device)  # bad settings are named before a GGUF file is converted
         folder = resolve_model(model)
         hf_config = text_config_of(AutoConfig.from_pretrained(folder))
         config = Config(model=str(folder), **kwargs)
@@ -148,7 +157,10 @@ class LLMEngine:
             return None  # token-id prompts still work
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(folder)
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # tokenizers raises a bare Exception on a corrupt vocabulary
+            raise ValueError(f"{folder}: its tokenizer files cannot be loaded: {type(e).__name__}: {e}") from e
 
     # -- requests ----------------------------------------------------------------------
 

@@ -240,3 +240,65 @@ def test_unsupported_architecture_and_type_raise_clear_errors(tmp_path):
     _write_synthetic(odd, "llama", odd_type=True)
     with pytest.raises(ValueError, match=r"'blk\.1\.attn_norm\.weight' has type I32"):
         load_gguf(odd)
+
+
+def test_two_files_of_one_name_size_and_time_convert_apart(tmp_path, monkeypatch):
+    """The conversion cache is keyed by the file's path too: two fine-tunes named alike, of one
+    size, with copied timestamps, must not load as whichever was converted first."""
+    import os
+    import shutil
+
+    import atom_core.gguf_loader
+    from atom_core.llm_engine import resolve_model
+
+    def convert(path: Path, out: Path) -> Path:  # what a conversion leaves, and which file it was
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"from": str(path)}))
+        (out / GGUF_BLOCKS_FILE).touch()
+        return out
+
+    monkeypatch.setattr(atom_core.gguf_loader, "gguf_to_hf_folder", convert)
+    monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    a.write_bytes(b"GGUF" + bytes(100))
+    b.write_bytes(b"GGUF" + bytes(99) + b"x")
+    shutil.copystat(a, b)
+    assert a.stat().st_mtime_ns == b.stat().st_mtime_ns
+    fa, fb = resolve_model(a), resolve_model(b)
+    assert fa != fb and json.loads((fb / "config.json").read_text())["from"] == str(b)
+    assert resolve_model(a) == fa  # converted once
+    os.utime(b, ns=(b.stat().st_atime_ns, b.stat().st_mtime_ns + 1))  # rewritten within the second
+    assert resolve_model(b) != fb
+
+
+def test_unreadable_gguf_files_are_named_and_settings_checked_first(tmp_path, monkeypatch):
+    import struct
+
+    from atom_core import LLMEngine
+
+    monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path / "cache"))
+    good = tmp_path / "good.gguf"
+    _write_synthetic(good, "llama")
+    data = good.read_bytes()
+    cases = {
+        "cut.gguf": data[:2000],  # inside the header
+        "counts.gguf": data[:8] + struct.pack("<Q", 1 << 40) + data[16:],  # an absurd tensor count
+    }
+    for name, content in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"{name}: not a GGUF file Atom can read \(truncated or corrupt\?\)"):
+            LLMEngine(bad)
+    # A bad setting is named before the file is converted (minutes, for a big one).
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLMEngine(good, quantization="q4_0")
+    with pytest.raises(ValueError, match="quantization_group_size must be one of .* got 32.0"):
+        LLMEngine(good, quantization_group_size=32.0)
+    with pytest.raises(ValueError, match="device='cuda', but this torch has no CUDA device"):
+        LLMEngine(good, device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch device string .* got 'gpu'"):
+        LLMEngine(good, device="gpu")
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or list(models.iterdir()) == []  # no partial conversion either
