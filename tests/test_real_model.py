@@ -88,12 +88,15 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     between GEMMs) and the Q8_0 LM head's near-top logits are exact: the first answer token,
     "The", leads "L" by only 0.08 in float32."""
     from atom_core.layers.quant import ExactTopLogits, QuantizedEmbedding, StreamingGroupGemm
+    from atom_core.loader import GGUF_BLOCKS_FILE
 
     default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
     model = default.runner.model
     assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, StreamingGroupGemm)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # the tied Q8_0 table, no float copy
+    with open("/proc/self/maps") as maps:  # its blocks were copied out: the file is not kept mapped
+        assert not any(GGUF_BLOCKS_FILE in line for line in maps)
 
     params = SamplingParams(temperature=0, max_tokens=1)
     (first,) = default.generate(prompts[:1], params, use_tqdm=False)

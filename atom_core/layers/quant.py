@@ -180,10 +180,15 @@ def load_blocks(path: str | Path) -> tuple[str, dict[str, tuple[str, QuantizedWe
             if f"{name}.qweight" not in keys:
                 out[name] = (gguf_type, None)
                 continue
-            q, scales = f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales")
-            zeros = f.get_tensor(f"{name}.zeros") if f"{name}.zeros" in keys else None
+            # Copies, not views of the file's mapping: a weight kept as it is (a tied Q8_0
+            # embedding) would otherwise keep the whole file mapped and resident (76 MiB of
+            # the default model's 106 MiB file, beside the packed copies the kernels use).
+            q, scales = f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales").clone()
+            zeros = f.get_tensor(f"{name}.zeros").clone() if f"{name}.zeros" in keys else None
             if q.dtype == torch.uint8:  # 4 bits, two to a byte
                 q = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1)
+            else:
+                q = q.clone()
             group = q.shape[1] // scales.shape[1]
             out[name] = (gguf_type, QuantizedWeight(4 if zeros is not None else 8, group, q, scales, zeros, gguf_type))
     return metadata.get("source", Path(path).name), out
