@@ -174,7 +174,7 @@ class Config:
     kv_cache_memory: int | None = attrs.field(default=None, validator=positive)
     sampler: str = "default"
     # -- weight quantization (atom_core/layers/quant.py) --
-    # "auto": a model converted from GGUF keeps its Q4_0/Q4_1/Q8_0 blocks (other quantized
+    # "auto": a model converted from GGUF keeps its Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 blocks (other quantized
     # types are requantized to the nearest of those), other checkpoints load as they are;
     # "none": everything dequantized; "int8" / "int4": every Linear quantized at load.
     quantization: str = attrs.field(default="auto", validator=_one_of(QUANTIZATIONS))

@@ -336,13 +336,25 @@ def _check_complete(config: dict, state: dict[str, torch.Tensor]) -> None:
 
 
 # Block layouts (ggml-common.h): an fp16 scale d (and min m for Q4_1), then the values.
-# Q4_0/Q4_1 keep element j of a block of 32 in the low nibble of byte j, element j + 16 in
-# its high nibble.
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+# Q4_0/Q4_1/Q5_0 keep element j of a block of 32 in the low nibble of byte j, element j + 16
+# in its high nibble (Q5_0: the fifth bits in a uint32 ahead of them). Q4_K: super-blocks of
+# 256, eight groups of 32 with 6-bit scales and mins; each 32 bytes of nibbles hold two groups.
+_BLOCK_BYTES = {
+    GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q8_0: (32, 34),
+    GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q4_K: (256, 144),
+}  # fmt: skip
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: the low nibbles, then the high ones."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
 def _quantized_weight(tensor: Any) -> QuantizedWeight | None:
-    """The tensor's blocks as a `QuantizedWeight`, exactly, for Q4_0, Q4_1 and Q8_0; else None.
+    """The tensor's blocks as a `QuantizedWeight` in groups of 32 for Q4_0, Q4_1, Q4_K (4 bits)
+    and Q8_0, Q5_0 (8 bits); else None. The integers exactly; scales and zeros in float32,
+    exact but for Q4_K's (d * scale) and (8 d scale - dmin * min), rounded once where their
+    bits exceed float32's 24.
 
     A stack of matrices (a layer's experts, [experts, rows, K]) comes as one [experts * rows, K]
     weight, whose row blocks are the experts."""
@@ -350,11 +362,28 @@ def _quantized_weight(tensor: Any) -> QuantizedWeight | None:
     if qtype not in _BLOCK_BYTES or len(tensor.shape) < 2:
         return None
     k, n = int(tensor.shape[0]), math.prod(int(d) for d in tensor.shape[1:])  # innermost first
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // 32, _BLOCK_BYTES[qtype])
+    block, nbytes = _BLOCK_BYTES[qtype]
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // block, nbytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == GGMLQuantizationType.Q8_0:
         q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantizedWeight(8, 32, torch.from_numpy(q), torch.from_numpy(d), None, qtype.name)
+    if qtype == GGMLQuantizationType.Q5_0:  # d * (q5 - 16): 8 bits, symmetric
+        high = blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
+        q5 = _nibbles(blocks[..., 6:]) | ((high & 1).astype(np.uint8) << 4)
+        q = (q5.astype(np.int8) - 16).reshape(n, k)
+        return QuantizedWeight(8, 32, torch.from_numpy(q), torch.from_numpy(d), None, qtype.name)
+    if qtype == GGMLQuantizationType.Q4_K:  # group g: d * sc_g * q - dmin * m_g
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        scales = d[..., None] * sc.reshape(n, k // 256, 8).astype(np.float32)
+        zeros = 8 * scales - dmin[..., None] * mn.reshape(n, k // 256, 8).astype(np.float32)
+        qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)  # 32 bytes: groups 2j (low nibbles) and 2j + 1
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+        return QuantizedWeight(
+            4, 32, torch.from_numpy(q), torch.from_numpy(scales.reshape(n, -1)),
+            torch.from_numpy(zeros.reshape(n, -1)), qtype.name,
+        )  # fmt: skip
     if qtype == GGMLQuantizationType.Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         zeros = m + 8 * d  # d * q + m == (q - 8) * d + (m + 8 * d), exact in float32
@@ -362,14 +391,14 @@ def _quantized_weight(tensor: Any) -> QuantizedWeight | None:
     else:
         zeros = np.zeros_like(d)  # d * (q - 8)
         packed = blocks[..., 2:]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)
+    q = _nibbles(packed).reshape(n, k)
     return QuantizedWeight(4, 32, torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros), qtype.name)
 
 
 def write_gguf_blocks(gguf_path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
     """Save the GGUF file's quantized blocks next to its converted weights (`GGUF_BLOCKS_FILE`).
 
-    Q4_0, Q4_1 and Q8_0 matrices are stored as `quant.save_blocks` lays them out, with
+    Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 matrices are stored as `quant.save_blocks` lays them out, with
     llama.cpp's Q/K row permutation undone as `load_gguf` does; every matrix's GGUF type is
     recorded, so `quantization="auto"` knows which others to requantize. Written to a
     temporary name and renamed, so a reader never sees half a file.

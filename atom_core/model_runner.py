@@ -92,7 +92,7 @@ class ModelRunner:
             raise ValueError(
                 f"{config.model}: the checkpoint is pre-quantized (config.json quantization_config, quant_method="
                 f"{method!r}), which Atom does not load; it loads float checkpoints (quantized at load by "
-                "Config.quantization) and GGUF files (Q4_0/Q4_1/Q8_0 kept, other types converted)"
+                "Config.quantization) and GGUF files (Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 kept, other types converted)"
             )
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -186,6 +187,50 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_K blocks for w [N, K] (K a multiple of 256), which gguf cannot write: per
+    group of 32 a 6-bit scale and minimum of the super-block's float16 d and dmin, w ~ d sc q - dmin m."""
+    n, k = w.shape
+    g = w.reshape(n, k // 256, 8, 32).astype(np.float64)
+    low = np.minimum(g.min(-1), 0)
+    step = np.maximum(g.max(-1) - low, 1e-8) / 15
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-low).max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(step / np.maximum(d.astype(np.float64), 1e-12)[..., None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / np.maximum(dmin.astype(np.float64), 1e-12)[..., None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float64)[..., None] * sc
+    q = np.clip(np.rint((g + (dmin.astype(np.float64)[..., None] * mn)[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    packed = np.zeros((n, k // 256, 12), np.uint8)  # get_scale_min's layout, inverted
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    q = q.reshape(n, k // 256, 4, 2, 32)  # groups 2j and 2j + 1 share 32 bytes: low and high nibbles
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    blocks = np.concatenate(
+        [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1
+    )  # fmt: skip
+    return blocks.reshape(n, -1)
+
+
+def test_q4_k_blocks_map_exactly_onto_4_bit_groups():
+    w = np.random.default_rng(1).standard_normal((24, 512)).astype(np.float32) * 0.1
+    blocks = quantize_q4_k(w)
+    ref = gguf.quants.dequantize(blocks, Q.Q4_K)
+    assert np.abs(ref - w).max() < 0.25 * np.abs(w).max()  # a real quantization of w, not noise
+    writer_tensor = SimpleNamespace(tensor_type=Q.Q4_K, shape=[512, 24], data=blocks)
+    qw = _quantized_weight(writer_tensor)
+    assert (qw.bits, qw.group_size) == (4, 32) and int(qw.qweight.max()) <= 15
+    assert torch.equal(qw.dequantize(), torch.from_numpy(ref))  # gguf's own float32 dequantization
+
+
+def test_q5_0_blocks_map_exactly_onto_8_bit_groups():
+    w = np.random.default_rng(2).standard_normal((24, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, Q.Q5_0)
+    qw = _quantized_weight(SimpleNamespace(tensor_type=Q.Q5_0, shape=[96, 24], data=blocks))
+    assert (qw.bits, qw.group_size) == (8, 32) and qw.qweight.min() >= -16 and qw.qweight.max() <= 15
+    assert torch.equal(qw.dequantize(), torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q5_0)))
+
+
 def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool, hidden=64, heads=4, kv_heads=2, ffn=128,
                      vocab=256, layers=2) -> None:  # fmt: skip
     """A small llama GGUF laid out as llama.cpp writes it; `types` maps a tensor kind (q, k, v,
@@ -207,7 +252,8 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool, hidden=64, 
         if permute:
             w = _llama_cpp_permute(w, permute)
         qtype = types[kind]
-        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        blocks = quantize_q4_k(w) if qtype == Q.Q4_K else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
 
     add("token_embd.weight", "embd", (vocab, hidden), 1.0)
     for i in range(layers):
@@ -251,12 +297,15 @@ LINEAR_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @pytest.mark.parametrize(
-    ("qtype", "tied"), [(Q.Q4_1, True), (Q.Q4_0, False), (Q.Q8_0, True), (Q.Q8_0, False)], ids=str
+    ("qtype", "tied"),
+    [(Q.Q4_1, True), (Q.Q4_0, False), (Q.Q8_0, True), (Q.Q8_0, False), (Q.Q4_K, True), (Q.Q5_0, False)],
+    ids=str,
 )
 def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path, qtype, tied, caplog):
     types = dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}
     path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path, types, tied=tied)
+    width = dict(hidden=256, ffn=256) if qtype == Q.Q4_K else {}  # super-blocks of 256 along K
+    write_tiny_llama(path, types, tied=tied, **width)
     folder = folder_from_gguf(path)
     kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
     with caplog.at_level("INFO", logger="atom"):
@@ -268,7 +317,8 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     layer = model.model.layers[0]
     # groups of 32 stream through Atom's kernel at every row count
     kernel = layer.self_attn.qkv_proj.packed_weight
-    assert isinstance(kernel, StreamingGroupGemm) and kernel.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert isinstance(kernel, StreamingGroupGemm) and kernel.bits == (8 if qtype in (Q.Q8_0, Q.Q5_0) else 4)
+    assert "requantized" not in caplog.text
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding) is tied
     out = last_logits(engine, PROMPTS)
@@ -364,6 +414,8 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
     with caplog.at_level("INFO", logger="atom"):
         engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=32, max_model_len=128)
     assert "requantized" in caplog.text and "Q5_1" in caplog.text and "Q4_1/Q8_0" in caplog.text
+    assert "no kernel takes their blocks as they are" in caplog.text  # Q5_1
+    assert "their shards' formats differ" in caplog.text  # Q4_1 has zero offsets, 8 bits none
     layer = engine.runner.model.model.layers[0]
     assert not isinstance(layer.mlp.down_proj.packed_weight, (Int4PackGemm, Int8PackGemm))  # F16: a float weight
     assert isinstance(layer.self_attn.o_proj.packed_weight, StreamingGroupGemm)  # Q4_0 kept
@@ -373,6 +425,31 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
                                 max_model_len=128), PROMPTS)  # fmt: skip
     out = last_logits(engine, PROMPTS)
     assert torch.equal(out.argmax(1), ref.argmax(1))
+
+
+def test_a_fused_layer_of_q4_0_and_q8_0_shards_goes_to_8_bits_exactly(tmp_path, caplog):
+    """llama.cpp's quantizer gives attn_v more bits than q and k: Q4_0 shards (no zero offset)
+    widen to 8 bits exactly, so the fused qkv keeps the file's values instead of requantizing."""
+    types = dict.fromkeys(LINEAR_KINDS, Q.Q4_0) | {"v": Q.Q8_0, "embd": Q.Q8_0, "output": Q.Q8_0}
+    path = tmp_path / "mixed.gguf"
+    write_tiny_llama(path, types, tied=True)
+    folder = folder_from_gguf(path)
+    kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    with caplog.at_level("INFO", logger="atom"):
+        engine = LLMEngine(folder, **kw)
+    assert "requantized" not in caplog.text and "kept 12 Q4_0, 3 Q8_0" in caplog.text, caplog.text
+    attn = engine.runner.model.model.layers[0].self_attn
+    assert attn.qkv_proj.packed_weight.bits == 8 and engine.runner.model.model.layers[0].mlp.down_proj.packed_weight.bits == 4
+    _, state = load_gguf(path)
+    qkv = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    kernel = attn.qkv_proj.packed_weight
+    x = torch.randn(3, qkv.shape[1])
+    out = kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None)
+    # the file's weights (x rounded per group to int16, as in the kernel test above)
+    tol = 16e-4 * float(x.abs().max() * qkv.abs().sum(1).max())
+    torch.testing.assert_close(out.double(), x.double() @ qkv.double().T, atol=tol, rtol=0)
+    ref = last_logits(LLMEngine(folder, quantization="none", **kw), PROMPTS)
+    assert torch.equal(last_logits(engine, PROMPTS).argmax(1), ref.argmax(1))
 
 
 def test_auto_loads_a_folder_without_blocks_as_it_is(tmp_path):

@@ -78,6 +78,15 @@ class QuantizedWeight:
             w = grouped.mul_(scales.unsqueeze(-1))
         return w.reshape(q.shape).to(dtype)
 
+    def widened(self) -> QuantizedWeight | None:
+        """The same weight in 8 bits, exactly, where it has no zero offsets ((q - 8) * scale, as
+        GGUF's Q4_0); None where it has (8-bit weights are symmetric)."""
+        if self.bits == 8:
+            return self
+        if self.zeros is None or torch.count_nonzero(self.zeros):
+            return None
+        return QuantizedWeight(8, self.group_size, self.qweight.to(torch.int8) - 8, self.scales, None, self.origin)
+
     def scale_magnitudes(self) -> torch.Tensor:
         """Per element, |(q - 8) * scale| + |zero| (4 bits) or |q * scale| (8 bits): a kernel that
         rounds scales and zeros to a precision of unit roundoff u moves each weight by at most
@@ -251,7 +260,7 @@ class StreamingGroupGemm:
     """4- or 8-bit groups of 32 through Atom's own kernel (`gemv_cpu.cpp`'s `qgemm`).
 
     The weight is repacked in tiles of 16 output columns (see the kernel's comment) with
-    float16 scale and min per group, exact for GGUF Q4_0/Q4_1/Q8_0, and multiplied with
+    float16 scale and min per group, exact for GGUF Q4_0/Q4_1/Q5_0/Q8_0 (Q4_K: rounded), and multiplied with
     integer dot products (vpdpwssd) against x rounded per group of 32 to int16: about 16
     significant bits, where torch's int4 kernel takes bfloat16 (8). It serves every row
     count and computes each row alike whatever the count, so it is batch-invariant by
@@ -483,7 +492,7 @@ def quantize_model(model: nn.Module, config: Any) -> None:
     flagged by `linear.mark_lm_heads` first).
 
     "none": nothing. "auto": a model converted from GGUF (its folder holds the file's blocks,
-    `loader.GGUF_BLOCKS_FILE`) takes the Q4_0/Q4_1/Q8_0 blocks as they are and requantizes
+    `loader.GGUF_BLOCKS_FILE`) takes the Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 blocks as they are and requantizes
     other quantized types to the nearest format; any other checkpoint stays as loaded.
     "int8" / "int4": every layer is quantized from its loaded weight in groups of
     `quantization_group_size` (8 bits symmetric, 4 bits with zeros), the LM head as
@@ -551,7 +560,7 @@ _GGUF_BITS = {
 
 
 def _gguf_bits(gguf_type: str) -> float:
-    return 4.5 if gguf_type in ("Q4_0", "Q4_1") else _GGUF_BITS.get(gguf_type, 8.0)
+    return 4.5 if gguf_type in ("Q4_0", "Q4_1", "Q4_K") else _GGUF_BITS.get(gguf_type, 8.0)
 
 
 def _requantized(weight: torch.Tensor, gguf_type: str) -> QuantizedWeight:
@@ -594,13 +603,20 @@ def _from_gguf(
         if types & set(_FLOAT_GGUF) or any(p is None for p in parts):
             return None  # float in the file: loaded as it is
         exact = [p[1] for p in parts]
-        if all(q is not None for q in exact) and len({(q.bits, q.group_size) for q in exact}) == 1:
+        mapped = all(q is not None for q in exact)
+        if mapped and len({(q.bits, q.group_size) for q in exact}) > 1:
+            # a fused layer of 4- and 8-bit shards (Q4_0 q/k beside a Q8_0 v): all 8 bits, exactly, if it can be
+            wide = [q.widened() for q in exact]
+            if all(q is not None for q in wide):
+                exact = wide
+        if mapped and len({(q.bits, q.group_size) for q in exact}) == 1:
             for t in [p[0] for p in parts]:
                 kept[t] = kept.get(t, 0) + 1
             return QuantizedWeight.cat(exact) if len(exact) > 1 else exact[0]
-        # a type no kernel takes as it is, or shards in different formats: requantize the whole
+        # a type no kernel takes as it is, or shards whose formats differ: requantize the whole
         qw = _requantized(weight, max(types, key=_gguf_bits))
-        requantized.setdefault(f"{'/'.join(sorted(types))} -> {qw.format}", []).append(name)
+        why = "their shards' formats differ (4 bits with zero offsets beside 8)" if mapped else "no kernel takes their blocks as they are"
+        requantized.setdefault((f"{'/'.join(sorted(types))} -> {qw.format}", why), []).append(name)
         return qw
 
     for name, module in linears.items():
@@ -624,8 +640,8 @@ def _from_gguf(
     if kept:
         logger.info("atom: %s: kept %s as 4/8-bit weights", source,
                     ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))  # fmt: skip
-    for what, names in requantized.items():
+    for (what, why), names in requantized.items():
         logger.warning(
-            "atom: %s: %d layers requantized from their dequantized weights (%s), e.g. %s: no kernel takes "
-            "their blocks as they are", source, len(names), what, names[0],
+            "atom: %s: %d layers requantized from their dequantized weights (%s), e.g. %s: %s",
+            source, len(names), what, names[0], why,
         )  # fmt: skip
