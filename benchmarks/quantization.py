@@ -3,13 +3,13 @@
 SmolLM2-135M-Instruct, one engine at a time, same thread count:
 
 * none, bfloat16 / none, float32: the file dequantized (what the parity tests run);
-* int8: every Linear int8 per output channel (`_weight_int8pack_mm`), float32 between GEMMs;
-* int4: every Linear 4-bit in groups of 32 with zeros, the LM head int8;
+* int8: every Linear (the LM head too) 8-bit in groups of 32 (Atom's `qgemm`), float32 between GEMMs;
+* int4: every Linear 4-bit in groups of 32 with zeros, the LM head 8-bit in groups of 32;
 * auto: the GGUF's own Q4_1 layers and Q8_0 LM head as shipped (the default), float32
   between GEMMs; and auto with bfloat16 everywhere.
 
-Quantized GEMMs take bfloat16 activations in every row (torch's CPU kernels); the dtype is
-what runs between them (norms, attention, the residual stream).
+Groups of 32 run through Atom's `qgemm` at every row count (x rounded per group to int16);
+the dtype is what runs between GEMMs (norms, attention, the residual stream).
 
 What is measured:
 
