@@ -41,8 +41,8 @@ def _flag(inst: object, attr: attrs.Attribute, value: object) -> None:
 
 
 def _max_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {value!r}")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"max_tokens must be an integer >= 1, or None (up to max_model_len), got {value!r}")
 
 
 def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
@@ -78,7 +78,8 @@ class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_temperature)
     top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
     top_p: float = attrs.field(default=1.0, validator=_top_p)
-    max_tokens: int = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
+    # None: until a stop condition or max_model_len (vLLM's None)
+    max_tokens: int | None = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
     ignore_eos: bool = attrs.field(default=False, validator=_flag)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
     # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from enum import Enum, auto
 from itertools import count
@@ -73,7 +74,8 @@ class Sequence:
         self.temperature = 0.0 if sampling_params.is_greedy else sampling_params.temperature
         self.top_k = sampling_params.top_k
         self.top_p = sampling_params.top_p
-        self.max_tokens = sampling_params.max_tokens
+        # None: no limit of its own (the context limit, max_model_len, still ends it)
+        self.max_tokens = sys.maxsize if sampling_params.max_tokens is None else sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.stop_strings = list(sampling_params.stop_strings)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)

@@ -131,6 +131,9 @@ def test_max_model_len_ends_a_request(engine):
     prompt = list(range(1, 121))
     r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert (r["finish_reason"], len(r["token_ids"])) == ("max_model_len", 8)
+    # max_tokens=None (vLLM's): no limit of its own, the context limit ends it
+    r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert (r["finish_reason"], len(r["token_ids"])) == ("max_model_len", 8)
 
 
 def test_streaming_callback_sees_every_token_once(engine):

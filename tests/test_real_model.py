@@ -137,7 +137,7 @@ def test_cli_refuses_bad_sampling_flags_before_loading_a_model(capsys, tmp_path)
     from atom_core.cli import main
 
     assert main(["generate", "--model", str(tmp_path / "no-such-model"), "--max-tokens", "0", "hi"]) == 2
-    assert "max_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert "max_tokens must be an integer >= 1, or None (up to max_model_len), got 0" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("not json")
     assert main(["generate", "--model", str(tmp_path), "hi"]) == 2  # a one-line error, not a traceback
     assert "atom: error:" in capsys.readouterr().err
