@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = none; > 1 discourages repeats")
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
@@ -86,7 +90,9 @@ def _generate(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     params = SamplingParams(  # bad sampling flags fail before the model loads
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens,
+        seed=args.seed, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     engine = LLMEngine(args.model, **options)
     prompts = args.prompts or list(DEFAULT_PROMPTS)

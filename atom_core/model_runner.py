@@ -422,12 +422,13 @@ class ModelRunner:
     @staticmethod
     def _argmax_only(sample_ids: list[int], seqs: dict[int, Sequence]) -> bool:
         """Whether this step reads nothing of its logits but each row's argmax: every sampling
-        request greedy without log probabilities (the sampler's part is `screens_lm_head`)."""
+        request greedy without log probabilities or penalties (which move other logits past the
+        maximum; the sampler's part is `screens_lm_head`)."""
         if not sample_ids:
             return False
         for rid in sample_ids:
             params = seqs[rid].sampling_params
-            if not params.is_greedy or params.logprobs is not None:
+            if not params.is_greedy or params.logprobs is not None or params.has_penalties:
                 return False
         return True
 

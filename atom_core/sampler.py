@@ -1,4 +1,4 @@
-"""The default sampler: greedy, temperature, top-k, top-p, and per-request seeds.
+"""The default sampler: penalties, greedy, temperature, min-p, top-k, top-p, and per-request seeds.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from
 `p` exactly. A seeded request draws its noise from a generator keyed by (seed, how many
@@ -18,23 +18,66 @@ from atom_core.layers.ops import argmax
 
 
 @attrs.define
+class Penalties:
+    """One row's penalties (`SamplingParams`) and the tokens they read."""
+
+    repetition: float
+    presence: float
+    frequency: float
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@attrs.define
 class SamplingMetadata:
     temperatures: list[float]
     top_ks: list[int]
     top_ps: list[float]
     seeds: list[int | None]
     steps: list[int]  # tokens each request has generated so far
+    min_ps: list[float] | None = None  # None: no row drops by min_p
+    penalties: list[Penalties | None] | None = None  # None: no row has penalties
 
     @classmethod
     def from_seqs(cls, seqs) -> SamplingMetadata:
         seqs = list(seqs)
+        params = [s.sampling_params for s in seqs]
+        min_ps = [p.min_p for p in params]
+        penalties = [
+            Penalties(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                      s.prompt_token_ids, s.completion_token_ids) if p.has_penalties else None
+            for s, p in zip(seqs, params)
+        ]  # fmt: skip
         return cls(
             temperatures=[s.temperature for s in seqs],
             top_ks=[s.top_k for s in seqs],
             top_ps=[s.top_p for s in seqs],
-            seeds=[s.sampling_params.seed for s in seqs],
+            seeds=[p.seed for p in params],
             steps=[s.num_completion_tokens for s in seqs],
+            min_ps=min_ps if any(min_ps) else None,
+            penalties=penalties if any(x is not None for x in penalties) else None,
         )
+
+
+def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None] | None) -> torch.Tensor:
+    """The raw float32 logits with each row's penalties applied (vLLM's order and formulas)."""
+    if penalties is None:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row, pen in zip(logits, penalties):
+        if pen is None:
+            continue
+        out = torch.tensor(pen.output_token_ids, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        if pen.repetition != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(pen.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+            hit = row[seen]
+            row[seen] = torch.where(hit > 0, hit / pen.repetition, hit * pen.repetition)
+        if pen.frequency or pen.presence:
+            row -= pen.frequency * counts + pen.presence * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def reads_argmax_only(sampler: Any) -> bool:
@@ -58,13 +101,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits: [num_reqs, vocab] in any float dtype -> one token id per request, from float32
         (widening is exact; `ops.argmax` reads float32 rows with AVX-512)."""
-        logits = logits.float()
+        logits = apply_penalties(logits.float(), meta.penalties)
         greedy_tokens = argmax(logits)
         greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
         if all(greedy):
             return greedy_tokens
         dev = logits.device
-        probs = processed_probs(logits, meta.temperatures, meta.top_ks, meta.top_ps)
+        probs = processed_probs(logits, meta.temperatures, meta.top_ks, meta.top_ps, meta.min_ps)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seed in enumerate(meta.seeds):
             if seed is not None and not greedy[i]:
@@ -75,9 +118,13 @@ class Sampler:
 
 
 def processed_probs(
-    logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float]
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ks: list[int],
+    top_ps: list[float],
+    min_ps: list[float] | None = None,
 ) -> torch.Tensor:
-    """The distribution each row samples from: temperature, then top-k, then top-p.
+    """The distribution each row samples from: temperature, then min-p, top-k and top-p.
 
     One function for every consumer (the Sampler, speculative decoding's rejection
     sampler), so that a verifier accepts against exactly the distribution the plain
@@ -88,6 +135,10 @@ def processed_probs(
     dev, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
+    if min_ps is not None and any(min_ps):  # below min_p times the top token's probability
+        probs = logits.softmax(dim=-1)
+        floor = torch.tensor(min_ps, device=dev, dtype=probs.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if any(0 < k < vocab for k in top_ks):
         ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
         top = logits.topk(int(ks.max()), dim=-1).values

@@ -35,6 +35,21 @@ def _top_p(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {value!r}")
 
 
+def _repetition_penalty(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 means none), got {value!r}")
+
+
+def _additive_penalty(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+        raise ValueError(f"{attr.name} must be in [-2, 2] (0 means none), got {value!r}")
+
+
+def _min_p(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 means none), got {value!r}")
+
+
 def _flag(inst: object, attr: attrs.Attribute, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{attr.name} must be True or False, got {value!r}")
@@ -78,6 +93,17 @@ class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_temperature)
     top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
     top_p: float = attrs.field(default=1.0, validator=_top_p)
+    # Tokens below min_p times the most likely one's probability are dropped (after
+    # temperature, before top-k and top-p, as in vLLM).
+    min_p: float = attrs.field(default=0.0, validator=_min_p)
+    # vLLM's (and transformers') penalties, on the raw logits before temperature, greedy rows
+    # too: repetition divides a positive logit (multiplies a negative one) of every token in
+    # the prompt or the output; presence subtracts itself from every token in the output,
+    # frequency itself times the token's count there. A request with one of them drafts nothing
+    # under speculative decoding (each draft would need the penalties of the ones before it).
+    repetition_penalty: float = attrs.field(default=1.0, validator=_repetition_penalty)
+    presence_penalty: float = attrs.field(default=0.0, validator=_additive_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, validator=_additive_penalty)
     # None: until a stop condition or max_model_len (vLLM's None)
     max_tokens: int | None = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
     ignore_eos: bool = attrs.field(default=False, validator=_flag)
@@ -91,6 +117,10 @@ class SamplingParams:
     # -1: the whole vocabulary (within the engine's `max_logprobs`, as in vLLM).
     logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
     prompt_logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:

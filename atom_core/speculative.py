@@ -135,7 +135,8 @@ def wanted_drafts(
     `busy` (`crowded(...)`): the step ran `disable_by_batch_size` requests or more, which stops
     greedy requests' drafts (their tokens are the same either way; a sampled request's are not).
     """
-    if busy and seq.sampling_params.is_greedy:
+    params = seq.sampling_params
+    if (busy and params.is_greedy) or params.has_penalties:  # a draft's penalties depend on the drafts before it
         return 0
     gate = seq.draft_gate
     if gate is not None:

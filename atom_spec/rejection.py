@@ -136,7 +136,8 @@ class RejectionSampler:
         temps = [meta.temperatures[i] for i in sampled for _ in range(sizes[i])]
         ks = [meta.top_ks[i] for i in sampled for _ in range(sizes[i])]
         ps = [meta.top_ps[i] for i in sampled for _ in range(sizes[i])]
-        p = processed_probs(logits[rows], temps, ks, ps)
+        mps = [meta.min_ps[i] for i in sampled for _ in range(sizes[i])] if meta.min_ps else None
+        p = processed_probs(logits[rows], temps, ks, ps, mps)
         p = p / p.sum(dim=-1, keepdim=True)  # top-p leaves the kept mass unnormalised
         d = drafts[rows]
         is_draft = d >= 0

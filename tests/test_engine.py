@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from atom_core import RequestOutput, SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
-from atom_core.sampler import Sampler, SamplingMetadata  # noqa: E402
+from atom_core.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties  # noqa: E402
 from model_utils import build_tiny_model, hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -281,6 +281,75 @@ def test_sampler_draws_from_the_distribution():
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
     cold = Sampler()(probs.log().expand(2000, 4).contiguous(), meta(2000, temperatures=[0.05] * 2000))
     assert (cold == 3).float().mean() > 0.99  # low temperature sharpens toward the argmax
+
+
+def test_sampler_min_p_drops_tokens_below_its_share_of_the_top():
+    probs = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
+    logits = probs.log().expand(2000, 5).contiguous()
+    # min_p 0.3: tokens under 0.3 * 0.4 = 0.12 go (0.05 and 0.1), at temperature 1
+    tokens = Sampler()(logits, meta(2000, min_ps=[0.3] * 2000))
+    assert set(tokens.tolist()) == {1, 2, 3}
+
+
+def test_sampler_penalties_follow_vllms_formulas():
+    vocab = 6
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9, -0.2, 0.0]]).expand(3, vocab).contiguous()
+    prompt, output = [0, 4], [3, 3, 1]
+    rows = [
+        Penalties(1.5, 0.0, 0.0, prompt, output),  # repetition: prompt and output tokens
+        Penalties(1.0, 0.25, 0.5, prompt, output),  # presence and frequency: output tokens only
+        None,
+    ]
+    out = apply_penalties(logits, rows)
+    expected = logits.clone()
+    for t in (0, 4, 3, 1):  # positive logits divided, negative multiplied
+        expected[0, t] = logits[0, t] / 1.5 if logits[0, t] > 0 else logits[0, t] * 1.5
+    expected[1, 3] -= 0.25 + 0.5 * 2
+    expected[1, 1] -= 0.25 + 0.5 * 1
+    torch.testing.assert_close(out, expected)
+    # Greedy rows take the penalised argmax: token 1 leads by 2, and loses it to a repetition
+    # penalty of 4 on it (3 -> 0.75) or to presence plus frequency (3 - 0.5 - 2 * 1 = 0.5).
+    lead = torch.tensor([[1.0, 3.0, 0.0, 0.0, 0.0, 0.0]]).expand(3, vocab).contiguous()
+    rows = [Penalties(4.0, 0.0, 0.0, [1], []), Penalties(1.0, 0.5, 1.0, [], [1, 1]), None]
+    assert Sampler()(lead, meta(3, temperatures=[0.0] * 3, penalties=rows)).tolist() == [0, 0, 1]
+
+
+def test_repetition_penalty_gives_transformers_greedy_tokens(tiny):
+    """Greedy decoding with a repetition penalty equals transformers' (its
+    RepetitionPenaltyLogitsProcessor is vLLM's formula), batched with plain requests."""
+    folder, model = tiny
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    penalised = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8, logprobs=1)
+    results = engine.generate(PROMPTS, [penalised, GREEDY, penalised], use_tqdm=False)
+    for prompt, r in zip(PROMPTS[::2], results[::2]):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                  repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+        assert r["token_ids"] == expected
+        assert expected != hf_greedy(model, prompt, 16)  # the penalty changed something
+    assert results[1]["token_ids"] == hf_greedy(model, PROMPTS[1], 12)
+    # log probabilities stay those of the raw logits (vLLM's): the chosen token need not lead
+    assert any(next(iter(e.values())) < max(e.values()) for e in results[0]["logprobs"])
+    # under speculative decoding a penalised request drafts nothing and keeps its tokens
+    spec = LLMEngine(folder, dtype="float32", num_kvcache_blocks=32, max_model_len=128,
+                     speculative_config=dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0))  # fmt: skip
+    again = spec.generate(PROMPTS[::2], penalised, use_tqdm=False)
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in results[::2]]
+    assert spec.get_spec_stats()["num_drafts"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"repetition_penalty": 0}, r"repetition_penalty must be a finite number > 0 \(1 means none\), got 0"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\] \(0 means none\), got 2.5"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be in"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+    ],
+)
+def test_penalty_and_min_p_errors_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
 
 
 def test_sharded_checkpoint_and_generation_config_stop_ids(tiny, tmp_path):

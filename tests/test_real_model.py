@@ -56,6 +56,21 @@ def test_batched_greedy_tokens_equal_transformers_from_the_gguf(engine, prompts,
     assert "Paris" in results[0]["text"]
 
 
+def test_penalised_greedy_requests_read_whole_logits_and_equal_transformers(engine, prompts, hf_model):
+    """A greedy request with a repetition penalty never takes the screened LM head (whose rows
+    are -inf away from the top): its tokens are transformers' with the same penalty."""
+    assert engine.runner.screens_lm_head
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.6)
+    results = engine.generate(prompts[:2], params, use_tqdm=False)
+    for prompt, r in zip(prompts, results):
+        ids = torch.tensor([prompt])
+        expected = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, repetition_penalty=1.6,
+            eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert r["token_ids"] == expected
+
+
 @pytest.mark.parametrize("policy", ["prefill_first", "mixed", "spyre"])
 def test_every_policy_gives_the_same_greedy_tokens(prompts, hf_greedy_32, policy):
     """A 32-token budget chunks every chat prompt; `mixed` adds later prompts' chunks to
