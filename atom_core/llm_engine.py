@@ -237,7 +237,11 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or ended ones whose results the next `step()` hands out
+        (an aborted or unschedulable request's): a `step()` loop on this misses no result."""
+        if self.scheduler.has_unfinished_requests() or self._held_results:
+            return True
+        return any(seq.id in self._requests for seq in self.scheduler.peek_finished())
 
     def step(self) -> list[dict[str, Any]]:
         """Run one scheduled batch; returns the results of requests that finished (also those

@@ -154,6 +154,11 @@ class StepBuilder:
             if n > self.budget:  # the first row too: a step stays within the budget
                 if self.budget < 1:
                     return 0
+                params = seq.sampling_params
+                if self.seqs and params.seed is not None and not params.is_greedy:
+                    # Fewer drafts would change a seeded request's draws (a verified draft draws
+                    # unlike a plain sample), so it waits for a step where it comes first, as alone.
+                    return 0
                 n = self.budget  # verify fewer drafts rather than skip the request
                 seq.spec_token_ids = seq.spec_token_ids[: n - 1]
                 if seq.spec_token_probs is not None:

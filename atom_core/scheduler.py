@@ -229,6 +229,10 @@ class Scheduler:
                 self.block_manager.unpublish(seq, first)
                 self.abort(rid, reason)
 
+    def peek_finished(self) -> list[Sequence]:
+        """What `pop_finished` would return, left in place."""
+        return list(self._finished_outside_step)
+
     def pop_finished(self) -> list[Sequence]:
         """Requests that ended outside `postprocess` (rejected, unschedulable, aborted) since the last call."""
         out, self._finished_outside_step = self._finished_outside_step, []

@@ -59,10 +59,11 @@ def test_generate_keeps_the_results_of_requests_added_before_it_for_step(engine,
     rid = engine.add_request(PROMPTS[1], GREEDY)
     [result] = engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
     assert result["token_ids"] == hf_greedy(tiny[1], PROMPTS[0], 12)
-    assert not engine.has_unfinished_requests()  # the other request ran alongside and finished
+    # the other request ran alongside and finished; its result waits for step()
+    assert engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests()
     [held] = engine.step()
     assert held["request_id"] == rid and held["token_ids"] == hf_greedy(tiny[1], PROMPTS[1], 12)
-    assert engine.step() == []
+    assert not engine.has_unfinished_requests() and engine.step() == []
 
 
 def test_prompts_of_every_accepted_shape_and_clear_errors_for_the_rest(engine, tiny):
@@ -144,6 +145,15 @@ def test_streaming_callback_sees_every_token_once(engine):
     assert [t for o in seen for t in o.output_tokens] == results[0]["token_ids"]
     assert [o.finished for o in seen] == [False] * 11 + [True]
     assert seen[-1].finish_reason == "max_tokens"
+
+
+def test_a_step_loop_gets_the_result_of_the_last_request_aborted(engine):
+    rid = engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()
+    assert engine.abort(rid)
+    results = run(engine)  # step() while has_unfinished_requests()
+    assert [(r["request_id"], r["finish_reason"]) for r in results] == [(rid, "abort")]
+    assert not engine.has_unfinished_requests()
 
 
 def test_abort_frees_blocks_and_leaves_others_untouched(engine):

@@ -417,3 +417,27 @@ def test_a_free_text_request_pays_one_round_of_k_drafts_then_one_at_a_time():
             rows.append(n)
         done += 1
     assert rows == [4, 1, 1, 1]  # trusted start, one more miss pauses 64 tokens, probes pause 128
+
+
+def test_a_seeded_request_keeps_its_tokens_when_the_budget_is_short(llama):
+    """Requests ahead of a seeded sampled one spend the step's token budget: it then waits a
+    step rather than verify fewer drafts (a verified draft draws unlike a plain sample), so
+    its tokens are the same alone and batched."""
+    folder = llama
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, min_acceptance_rate=0)
+    target = random_prompts((40,), seed=11)[0]
+    seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=60, ignore_eos=True)
+
+    def run(others: int) -> list[int]:
+        engine = LLMEngine(folder, dtype="float32", max_model_len=160, num_kvcache_blocks=80,
+                           max_num_batched_tokens=21, speculative_config=spec)  # fmt: skip
+        for i in range(others):  # short greedy prompts whose outputs repeat: 4 drafts a step
+            engine.add_request([1, 2, 3, 4, 5][: 2 + i % 4], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        rid = engine.add_request(target, seeded)
+        results = {}
+        while engine.has_unfinished_requests():
+            results.update((r["request_id"], r) for r in engine.step())
+        assert engine.get_spec_stats()["num_drafts"] > 0
+        return results[rid]["token_ids"]
+
+    assert run(5) == run(0)

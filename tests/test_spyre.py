@@ -308,6 +308,13 @@ def test_spyre_refuses_speculative_decoding_and_requests_over_the_volume():
     seq = make_seq(50, max_tokens=60)
     sched.add(seq)
     assert seq.is_finished and "max_batch_tkv_limit=100" in seq.leave_reason
+    assert "50 prompt tokens plus up to 60 new ones reach a decode tkv of 109" in seq.leave_reason
+    # The prefill samples the first new token: 50 + 51 - 1 = 100 fits exactly (sendnn-inference's bound).
+    fits = make_seq(50, max_tokens=51)
+    sched.add(fits)
+    assert not fits.is_finished
+    with pytest.raises(ValueError, match="prefill chunk of 128 tokens exceeds max_batch_tkv_limit=96"):
+        spyre(max_batch_tkv_limit=96, prefill_chunk_size=128, max_num_batched_tokens=128)
 
 
 def test_configurations_spyre_cannot_run_are_refused_with_the_reason():

@@ -85,6 +85,12 @@ class SpyrePolicy(SchedulingPolicy):
                 f"unset: the budget floored to whole blocks, at least one) exceeds max_num_batched_tokens="
                 f"{config.max_num_batched_tokens}: a spyre prefill step runs one whole chunk within the token budget"
             )
+        if config.chunk_size > config.max_batch_tkv_limit:
+            raise ValueError(
+                f"the prefill chunk of {config.chunk_size} tokens exceeds max_batch_tkv_limit="
+                f"{config.max_batch_tkv_limit}: every prompt is padded to whole chunks, so no request could run; "
+                "lower prefill_chunk_size (or max_num_batched_tokens) or raise the limit"
+            )
         self.block_size = config.kv_cache_block_size
         self.chunk_size = config.chunk_size
         self.limit = config.max_batch_tkv_limit
@@ -117,15 +123,25 @@ class SpyrePolicy(SchedulingPolicy):
         return max(0, left)
 
     def unschedulable_reason(self, seq: Sequence) -> str | None:
-        alone = seq.num_tokens + self.remaining(seq)  # its last tkv when it decodes alone
+        """Over the volume even alone: its prefill's padded tkv (a batch of one, chunk-aligned) or
+        its last decode step's (the prefill samples the first new token; each decode step one more)."""
+        left = self.remaining(seq)
+        alone = seq.num_tokens + max(left - 1, 0)
         padded = self.left_pad(seq) + -(-seq.num_tokens // self.block_size) * self.block_size
-        need = max(alone, padded)
-        if need > self.limit:
+        if max(alone, padded) <= self.limit:
+            return None
+        what = f"{seq.num_tokens} prompt tokens"
+        if seq.num_completion_tokens:  # preempted: its prompt and what it generated are prefilled again
+            what = f"{seq.num_tokens} tokens to prefill again after a preemption ({seq.num_completion_tokens} generated)"
+        if padded >= alone:
             return (
-                f"unschedulable: {seq.num_tokens} prompt tokens plus up to {self.remaining(seq)} new ones reach a "
-                f"tkv of {need}, over max_batch_tkv_limit={self.limit} even in a batch of one"
+                f"unschedulable: {what}, padded to whole chunks of {self.chunk_size}, reach a prefill tkv of "
+                f"{padded}, over max_batch_tkv_limit={self.limit}"
             )
-        return None
+        return (
+            f"unschedulable: {what} plus up to {left} new ones reach a decode tkv of {alone}, over "
+            f"max_batch_tkv_limit={self.limit} even in a batch of one"
+        )
 
     # -- one step ----------------------------------------------------------------------
 
