@@ -263,10 +263,10 @@ class LLMEngine:
                 self.scheduler.fail(batch, seqs)
                 raise
             t1 = time.perf_counter()
-            for rid, cached in zip(batch.req_ids, batch.num_cached_tokens):
+            for rid, first in zip(batch.req_ids, batch.num_computed_tokens):
                 req = self._requests[rid]
-                if req.num_cached_tokens is None:  # its first step: the prefix it found cached
-                    req.num_cached_tokens = cached
+                if req.num_cached_tokens is None:  # its first step starts past the prefix it took from
+                    req.num_cached_tokens = first  # the cache (a policy may recompute part of a hit)
             self.scheduler.postprocess(seqs, output)
             self.timings["postprocess"] += time.perf_counter() - t1
             self.timings["steps"] += 1

@@ -53,7 +53,9 @@ def test_chunked_prompts_with_prefix_caching_match_transformers(tiny, policy):
     r1, l1 = run_with_logits(engine, prompts + shared[:1], max_tokens=NEW)
     r2, l2 = run_with_logits(engine, shared[1:] + [list(base)], max_tokens=NEW)  # hits on the first wave
     check_against_hf(model, prompts + shared, r1 + r2, l1 + l2)
-    assert [r["num_cached_tokens"] for r in r2] == [96, 64, 144]
+    # What each request skipped: spyre recomputes the chunk holding the cache boundary and
+    # the last chunk always, so it skips less of the same hits (sendnn-inference's adjusted hit).
+    assert [r["num_cached_tokens"] for r in r2] == ([96, 32, 112] if policy == "spyre" else [96, 64, 144])
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks == 96 - (policy == "spyre")
 
