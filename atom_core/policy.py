@@ -111,6 +111,10 @@ class StepBuilder:
         cached prefix): a request with per-request state resumes only where a state checkpoint is."""
         return self._sched.block_manager.can_resume_at(seq, position)
 
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a running request's next `num_tokens` fit in free blocks, preempting nobody."""
+        return self._sched.block_manager.can_append(seq, num_tokens)
+
     def is_scheduled(self, seq: Sequence) -> bool:
         return seq.id in self._scheduled
 

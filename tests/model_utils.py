@@ -298,6 +298,22 @@ def random_prompts(lengths, seed=1, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def shared_prefix_waves(lengths) -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of prompts for prefix-caching tests: `lengths` of unrelated ones plus one of
+    a 160-token base, then three that share 100, 64 and all 160 of its tokens with it."""
+    prompts = random_prompts(lengths, seed=4)
+    base = random_prompts([160], seed=5)[0]
+    tails = random_prompts([3, 30, 1], seed=6)
+    shared = [base + tails[0], base[:100] + tails[1], base[:64] + tails[2]]
+    return prompts + shared[:1], shared[1:] + [list(base)]
+
+
+def second_wave_cached_tokens(policy: str) -> list[int]:
+    """`num_cached_tokens` of the second wave, blocks of 16: what each skipped. spyre recomputes
+    the chunk holding the cache boundary and always the last chunk, so it skips less."""
+    return [96, 32, 112] if policy == "spyre" else [96, 64, 144]
+
+
 def run_with_logits(engine, prompts, max_tokens=NEW_TOKENS):
     """Step the engine by hand, keeping every request's logits at every step."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -24,6 +24,8 @@ from model_utils import (  # noqa: E402
     hf_logits,
     random_prompts,
     run_with_logits,
+    second_wave_cached_tokens,
+    shared_prefix_waves,
 )
 from conftest import record_preemptions  # noqa: E402
 
@@ -112,14 +114,11 @@ def test_chunked_prompts_with_prefix_caching_under_every_policy(tiny, policy):
         folder, 96, max_model_len=512, enable_prefix_caching=True, max_num_batched_tokens=48,
         prefill_chunk_size=48, scheduling_policy=policy,
     )
-    prompts = random_prompts((1, 16, 17, 49, 100, 300), seed=4)
-    base = random_prompts([160], seed=5)[0]
-    tails = random_prompts([3, 30, 1], seed=6)
-    shared = [base + tails[0], base[:100] + tails[1], base[:64] + tails[2]]
-    r1, l1 = run_with_logits(engine, prompts + shared[:1], max_tokens=8)
-    r2, l2 = run_with_logits(engine, shared[1:] + [list(base)], max_tokens=8)  # hits on the first wave
-    oracle.check(prompts + shared + [list(base)], r1 + r2, l1 + l2)
-    assert [r["num_cached_tokens"] for r in r2] == [96, 64, 144]
+    first, second = shared_prefix_waves((1, 16, 17, 49, 100, 300))
+    r1, l1 = run_with_logits(engine, first, max_tokens=8)
+    r2, l2 = run_with_logits(engine, second, max_tokens=8)  # hits on the first wave
+    oracle.check(first + second, r1 + r2, l1 + l2)
+    assert [r["num_cached_tokens"] for r in r2] == second_wave_cached_tokens(policy)
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

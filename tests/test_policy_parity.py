@@ -14,7 +14,15 @@ torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
-from model_utils import check_against_hf, hf_greedy, random_prompts, run_with_logits, tiny_models  # noqa: E402
+from model_utils import (  # noqa: E402
+    check_against_hf,
+    hf_greedy,
+    random_prompts,
+    run_with_logits,
+    second_wave_cached_tokens,
+    shared_prefix_waves,
+    tiny_models,
+)
 from conftest import record_preemptions  # noqa: E402
 
 POLICIES = ["prefill_first", "mixed", "spyre"]
@@ -45,17 +53,11 @@ def engine_for(folder, policy: str, **config) -> LLMEngine:
 def test_chunked_prompts_with_prefix_caching_match_transformers(tiny, policy):
     folder, model = tiny
     engine = engine_for(folder, policy, enable_prefix_caching=True)
-    lengths = (1, 15, 16, 17, 47, 48, 49, 100, 300)
-    prompts = random_prompts(lengths, seed=4)
-    base = random_prompts([160], seed=5)[0]
-    tails = random_prompts([3, 30, 1], seed=6)
-    shared = [base + tails[0], base[:100] + tails[1], base[:64] + tails[2]]
-    r1, l1 = run_with_logits(engine, prompts + shared[:1], max_tokens=NEW)
-    r2, l2 = run_with_logits(engine, shared[1:] + [list(base)], max_tokens=NEW)  # hits on the first wave
-    check_against_hf(model, prompts + shared, r1 + r2, l1 + l2)
-    # What each request skipped: spyre recomputes the chunk holding the cache boundary and
-    # the last chunk always, so it skips less of the same hits (sendnn-inference's adjusted hit).
-    assert [r["num_cached_tokens"] for r in r2] == ([96, 32, 112] if policy == "spyre" else [96, 64, 144])
+    first, second = shared_prefix_waves((1, 15, 16, 17, 47, 48, 49, 100, 300))
+    r1, l1 = run_with_logits(engine, first, max_tokens=NEW)
+    r2, l2 = run_with_logits(engine, second, max_tokens=NEW)  # hits on the first wave
+    check_against_hf(model, first + second, r1 + r2, l1 + l2)
+    assert [r["num_cached_tokens"] for r in r2] == second_wave_cached_tokens(policy)
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks == 96 - (policy == "spyre")
 
@@ -101,3 +103,44 @@ def test_mixed_steps_really_mix(tiny):
     assert mixed_steps >= 4
     by_len = {r["num_prompt_tokens"]: r["token_ids"] for r in results}
     assert by_len[200] == hf_greedy(model, long, NEW)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_newer_prompt_does_not_take_turns_with_an_older_decoding_request(tiny, policy):
+    """A prompt chunk that would need a decoding request's blocks waits while decodes run; it
+    used to preempt the older request, whose prefill again then preempted it, in turns."""
+    folder, model = tiny
+    engine = LLMEngine(folder, dtype="float32", scheduling_policy=policy, max_model_len=128, num_kvcache_blocks=10,
+                       max_num_batched_tokens=32, max_num_seqs=2, max_batch_tkv_limit=1 << 20)  # fmt: skip
+    preempted = record_preemptions(engine.scheduler)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    older, newer = list(range(1, 91)), list(range(101, 191))
+    rids = [engine.add_request(older, params)]
+    results = {}
+    for step in range(1000):
+        if step == 5:
+            rids.append(engine.add_request(newer, params))
+        results.update((r["request_id"], r) for r in engine.step())
+        if step > 5 and not engine.has_unfinished_requests():
+            break
+    assert len(preempted) <= 7  # was 54 under prefill_first and 15 under spyre
+    assert [results[r]["token_ids"] for r in rids] == [hf_greedy(model, p, 30) for p in (older, newer)]
+    assert engine.scheduler.block_manager.num_free_blocks == 10 - (policy == "spyre")
+
+
+def test_spyre_finishes_a_decoding_request_a_later_prompt_would_have_preempted(tiny):
+    """Its prefill again (prompt and 90 generated tokens, in whole chunks) would pass the
+    volume limit, so preempting it for another prompt's chunk used to end it unschedulable."""
+    folder, _ = tiny
+    engine = LLMEngine(folder, dtype="float32", scheduling_policy="spyre", max_model_len=128, num_kvcache_blocks=9,
+                       max_num_batched_tokens=32, max_batch_tkv_limit=120)  # fmt: skip
+    rid = engine.add_request(list(range(1, 9)), SamplingParams(temperature=0, max_tokens=112, ignore_eos=True))
+    results = {}
+    for step in range(1000):
+        if step == 92:
+            late = engine.add_request(list(range(20, 100)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        results.update((r["request_id"], r) for r in engine.step())
+        if step > 92 and not engine.has_unfinished_requests():
+            break
+    assert (results[rid]["finish_reason"], len(results[rid]["token_ids"])) == ("max_tokens", 112)
+    assert (results[late]["finish_reason"], len(results[late]["token_ids"])) == ("max_tokens", 10)

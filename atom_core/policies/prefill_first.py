@@ -11,11 +11,16 @@ class PrefillFirstPolicy(SchedulingPolicy):
     name = "prefill_first"
 
     def schedule(self, step: StepBuilder) -> None:
-        step.schedule_all(step.prefilling())
+        # A prompt chunk that needs another request's blocks waits while decodes can run:
+        # preempting a decoding request for it made two requests preempt each other in turns.
+        prefilling = step.prefilling()
+        step.schedule_all([s for s in prefilling if step.can_append(s, step.chunk(s.num_tokens - s.num_computed_tokens))])
         while step.admit():
             pass
         if step.is_empty:
             step.schedule_all(step.decoding())
+        if step.is_empty:  # nothing decodes: a chunk may preempt now
+            step.schedule_all(prefilling)
         if step.is_empty:  # decoding preempted every running request: their blocks are free again
             while step.admit():
                 pass
