@@ -283,8 +283,10 @@ class BlockManager:
 
     def unpublish(self, seq: Sequence, first: int) -> None:
         """Take back from the prefix cache the blocks `seq` published for a step that never
-        ran (those from position `first` on): their KV was not written."""
-        for block_id in seq.block_table[first // self.block_size :]:
+        ran (those from position `first` on): their KV was not written. Blocks it took from
+        the cache stay (a policy recomputing part of a hit writes elsewhere)."""
+        start = max(first, seq.num_cached_tokens) // self.block_size
+        for block_id in seq.block_table[start:]:
             block = self.blocks[block_id]
             if block.hash != -1:
                 if self.hash_to_block_id.get(block.hash) == block_id:

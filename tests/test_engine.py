@@ -200,6 +200,30 @@ def test_a_failed_step_ends_its_requests_and_leaves_the_engine_whole(tiny):
     assert again["token_ids"] == hf_greedy(tiny[1], long_prompt, 12)
 
 
+def test_a_failed_step_keeps_the_cached_blocks_its_requests_shared(tiny):
+    """spyre recomputes part of a hit (its writes go to the padding block): a failed step of
+    such a request takes back only the blocks it would have written, not the shared prefix."""
+    engine = LLMEngine(tiny[0], scheduling_policy="spyre", enable_prefix_caching=True, num_kvcache_blocks=32,
+                       max_model_len=128, max_num_batched_tokens=64)  # fmt: skip
+    base = list(range(1, 101))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.generate([base], params, use_tqdm=False)
+    cached = dict(engine.scheduler.block_manager.hash_to_block_id)
+    engine.add_request(base + [1, 2, 3], params)
+    forward = engine.runner.forward
+
+    def broken(batch, seqs):
+        assert batch.num_computed_tokens[0] < 96  # it recomputes inside the cached prefix
+        raise RuntimeError("kernel failure")
+
+    engine.runner.forward = broken
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        engine.step()
+    engine.runner.forward = forward
+    assert [r["finish_reason"] for r in run(engine)] == ["error"]
+    assert engine.scheduler.block_manager.hash_to_block_id == cached
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [
