@@ -111,10 +111,6 @@ class StepBuilder:
         cached prefix): a request with per-request state resumes only where a state checkpoint is."""
         return self._sched.block_manager.can_resume_at(seq, position)
 
-    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a running request's next `num_tokens` fit in free blocks, preempting nobody."""
-        return self._sched.block_manager.can_append(seq, num_tokens)
-
     def is_scheduled(self, seq: Sequence) -> bool:
         return seq.id in self._scheduled
 
@@ -144,12 +140,13 @@ class StepBuilder:
 
     # -- adding rows ---------------------------------------------------------------------
 
-    def schedule(self, seq: Sequence, num_tokens: int | None = None) -> int:
+    def schedule(self, seq: Sequence, num_tokens: int | None = None, preempt: bool = True) -> int:
         """Schedule a running request: its next prompt chunk, or its decode token (plus drafts).
 
         Returns the tokens scheduled, 0 when it does not fit this step. A request that
         cannot get a block preempts the last running request this step has not
-        scheduled, or is preempted itself when none is left.
+        scheduled, or is preempted itself when none is left; with `preempt=False` it
+        waits instead (0), preempting nobody.
         """
         if seq.status != SequenceStatus.RUNNING or seq.id in self._scheduled:
             return 0
@@ -176,6 +173,8 @@ class StepBuilder:
         bm = sched.block_manager
         first = seq.num_computed_tokens
         while not bm.try_append(seq, n):
+            if not preempt:
+                return 0
             victim = self._preemption_victim(seq)
             sched.preempt(victim)
             self.num_preempted += 1

@@ -14,7 +14,8 @@ class PrefillFirstPolicy(SchedulingPolicy):
         # A prompt chunk that needs another request's blocks waits while decodes can run:
         # preempting a decoding request for it made two requests preempt each other in turns.
         prefilling = step.prefilling()
-        step.schedule_all([s for s in prefilling if step.can_append(s, step.chunk(s.num_tokens - s.num_computed_tokens))])
+        for seq in prefilling:
+            step.schedule(seq, preempt=False)
         while step.admit():
             pass
         if step.is_empty:

@@ -174,12 +174,10 @@ class SpyrePolicy(SchedulingPolicy):
         if end == seq.num_tokens and not self.last_chunk_fits(seq, decoding):
             return False
         n = end - first
-        if not new and not step.can_append(seq, n):
-            # A prompt chunk never preempts: a decoding request's prompt and generated tokens,
-            # prefilled again in whole chunks, may pass the volume where its decode did not.
-            # The decode step runs instead (no idle steps) and frees blocks as requests finish.
-            return False
-        got = step.admit(seq, num_tokens=n, start=first) if new else step.schedule(seq, num_tokens=n)
+        # A prompt chunk never preempts: a decoding request's prompt and generated tokens,
+        # prefilled again in whole chunks, may pass the volume where its decode did not. The
+        # decode step runs instead (no idle steps) and frees blocks as requests finish.
+        got = step.admit(seq, num_tokens=n, start=first) if new else step.schedule(seq, num_tokens=n, preempt=False)
         if not got:
             return False
         step.pad_block = PAD_BLOCK
