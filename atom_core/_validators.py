@@ -8,6 +8,11 @@ from typing import Any
 import attrs
 
 
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool (True == 1 would pass for a number otherwise)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def positive(inst: Any, attr: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
@@ -21,13 +26,13 @@ def non_negative_int(inst: Any, attr: attrs.Attribute, value: Any) -> None:
 
 
 def non_negative_float(inst: Any, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not is_number(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{attr.name} must be a finite number >= 0, got {value!r}")
 
 
 def in_unit_interval(inst: Any, attr: attrs.Attribute, value: Any) -> None:
     """(0, 1]: a fraction that must leave something."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    if not is_number(value) or not 0 < value <= 1:
         raise ValueError(f"{attr.name} must be in (0, 1], got {value!r}")
 
 

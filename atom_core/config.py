@@ -8,6 +8,7 @@ import attrs
 
 from atom_core._validators import (
     in_unit_interval,
+    is_number,
     non_negative_float,
     non_negative_int,
     optional_token_id,
@@ -37,7 +38,7 @@ def _name(inst: object, attr: attrs.Attribute, value: object) -> None:
 
 
 def _rate(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    if not is_number(value) or not 0 <= value <= 1:
         raise ValueError(f"speculative_config.{attr.name} must be in [0, 1], got {value!r}")
 
 

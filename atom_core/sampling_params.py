@@ -7,7 +7,7 @@ import numbers
 
 import attrs
 
-from atom_core._validators import token_id_list
+from atom_core._validators import in_unit_interval, is_number, token_id_list
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -21,7 +21,7 @@ def _int_like(value: object) -> object:
 
 
 def _temperature(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not is_number(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {value!r}")
 
 
@@ -30,23 +30,18 @@ def _top_k(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {value!r}")
 
 
-def _top_p(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {value!r}")
-
-
 def _repetition_penalty(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"repetition_penalty must be a finite number > 0 (1 means none), got {value!r}")
 
 
 def _additive_penalty(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+    if not is_number(value) or not -2 <= value <= 2:
         raise ValueError(f"{attr.name} must be in [-2, 2] (0 means none), got {value!r}")
 
 
 def _min_p(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    if not is_number(value) or not 0 <= value <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0 means none), got {value!r}")
 
 
@@ -92,7 +87,7 @@ def _stop_strings(value: object) -> list[str]:
 class SamplingParams:
     temperature: float = attrs.field(default=1.0, validator=_temperature)
     top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
-    top_p: float = attrs.field(default=1.0, validator=_top_p)
+    top_p: float = attrs.field(default=1.0, validator=in_unit_interval)
     # Tokens below min_p times the most likely one's probability are dropped (after
     # temperature, before top-k and top-p, as in vLLM).
     min_p: float = attrs.field(default=0.0, validator=_min_p)
