@@ -615,7 +615,11 @@ def _from_gguf(
             return QuantizedWeight.cat(exact) if len(exact) > 1 else exact[0]
         # a type no kernel takes as it is, or shards whose formats differ: requantize the whole
         qw = _requantized(weight, max(types, key=_gguf_bits))
-        why = "their shards' formats differ (4 bits with zero offsets beside 8)" if mapped else "no kernel takes their blocks as they are"
+        why = (
+            "their shards' formats differ (4 bits with zero offsets beside 8)"
+            if mapped
+            else "no kernel takes their blocks as they are"
+        )
         requantized.setdefault((f"{'/'.join(sorted(types))} -> {qw.format}", why), []).append(name)
         return qw
 

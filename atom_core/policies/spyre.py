@@ -132,7 +132,10 @@ class SpyrePolicy(SchedulingPolicy):
             return None
         what = f"{seq.num_tokens} prompt tokens"
         if seq.num_completion_tokens:  # preempted: its prompt and what it generated are prefilled again
-            what = f"{seq.num_tokens} tokens to prefill again after a preemption ({seq.num_completion_tokens} generated)"
+            what = (
+                f"{seq.num_tokens} tokens to prefill again after a preemption "
+                f"({seq.num_completion_tokens} generated)"
+            )
         if padded >= alone:
             return (
                 f"unschedulable: {what}, padded to whole chunks of {self.chunk_size}, reach a prefill tkv of "
