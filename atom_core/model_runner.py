@@ -23,7 +23,7 @@ from atom_core.compile import compile_model
 from atom_core.config import Config
 from atom_core.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
-from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens
+from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
 from atom_core.memory import release_freed_heap, weight_arena
 from atom_core.loader import load_model_weights
 from atom_core.logprobs import token_logprobs
@@ -169,9 +169,7 @@ class ModelRunner:
         # What the kernels stream goes into huge pages, except where speculative decoding's
         # batch-invariant GEMMs (`batch_invariant_gemms`) will drop the streamed copies.
         with weight_arena(enabled=not self.config.speculative_config):
-            for m in module.modules():
-                if hasattr(m, "process_weights_after_loading"):
-                    m.process_weights_after_loading()
+            process_weights(module)
         return module.eval()
 
     def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:

@@ -8,7 +8,7 @@ passes, against the machine's copy bandwidth (a 256 MiB copy, read + write, best
 measured right before and after each kernel: this host's bandwidth swings 2x within
 minutes, so only figures taken together compare.
 
-* float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on the plain weight against oneDNN's packed
+* float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on its tiled copy of the weight against oneDNN's packed
   GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between.
 * 4-bit groups of 32 (GGUF Q4_1's layout): `qgemm` against `_weight_int4pack_mm_for_cpu`
   (bytes: the packed values plus a 16-bit scale and min per group, for both).
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from atom_core.layers.linear import PACK_ROWS, _onednn_linear, gemv_ops
+from atom_core.layers.linear import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
 from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
 from atom_core.memory import resident, weight_arena
 
@@ -71,14 +71,15 @@ def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: 
 
 def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
     ops = gemv_ops()
+    weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     with weight_arena():
-        weights = [resident(torch.randn(n, k).to(dtype)) for n, k in SHAPES]
+        streamed = [StreamingGemm(w, ops) for w in weights]  # its tiled copy, in huge pages
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
     for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         mine, machine = copy.around(
-            lambda: nbytes / best_time([lambda w=w: ops.gemv(xs[w.shape[1]], w, None) for w in weights], repeats) / 1e9
+            lambda: nbytes / best_time([lambda g=g: g(xs[g.in_features], None, None) for g in streamed], repeats) / 1e9
         )
         calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
         row(str(dtype).removeprefix("torch."), m, mine, machine, nbytes / best_time(calls, repeats) / 1e9)

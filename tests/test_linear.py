@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.layers.linear import Linear, MergedLinear, StreamingGemm, gemv_ops  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -82,13 +82,14 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
     that leave a partial tile (and runs split across threads)."""
     ops = gemv_ops()
     gen = torch.Generator().manual_seed(1)
-    # (bfloat16 sums blocks of 32 in two chains: 80 and 120 end on a part block, even or odd)
-    for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96), (5, 80), (9, 120)]:
+    # (tiles of 32 rows: N of 1, 7, 131, 1000 and 2049 leave a part tile; bfloat16 pads an odd K)
+    for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96), (5, 80), (32, 1)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype) if bias else None
+        gemm = StreamingGemm(w, ops)
         for rows in range(1, int(ops.MAX_ROWS) + 1):
             x = torch.randn(rows, k, generator=gen).to(xdtype)
-            out = ops.gemv(x, w, b)
+            out = gemm(x, None, b)
             assert out.dtype == xdtype and out.shape == (rows, n)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
             # float32: summation order only; bfloat16 output: one rounding of the float32 sum
@@ -100,28 +101,38 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
 @pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32)])  # fmt: skip
 def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype):
-    """Bit for bit: a row's output does not depend on how many rows share the call, across
-    both layouts (one weight row at a time, and 3 side by side for float32 at 4-8 rows)."""
+    """Bit for bit: a row's output does not depend on how many rows share the call, and a
+    column's not on which other columns are computed with it (`StreamingGemm.columns`, which
+    the LM head screen's exact logits come from)."""
     ops = gemv_ops()
     gen = torch.Generator().manual_seed(2)
     for n, k in [(131, 576), (1000, 47), (70, 120)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype)
         x = torch.randn(int(ops.MAX_ROWS), k, generator=gen).to(xdtype)
-        alone = [ops.gemv(x[i : i + 1], w, b) for i in range(len(x))]
+        gemm = StreamingGemm(w, ops)
+        alone = [gemm(x[i : i + 1], None, b) for i in range(len(x))]
         for rows in range(2, len(x) + 1):
-            out = ops.gemv(x[:rows], w, b)
+            out = gemm(x[:rows], None, b)
             for i in range(rows):
                 assert torch.equal(out[i : i + 1], alone[i]), (rows, i)
+        cols = torch.randperm(n, generator=gen)[:37]
+        assert torch.equal(gemm.columns(x[:3], cols, b), gemm(x[:3], None, b)[:, cols])
+        assert torch.equal(gemm.rows(cols), w[cols]) and torch.equal(gemm.rows(), w)
 
 
 @needs_gemv
 def test_streaming_gemv_refuses_what_it_cannot_take():
     ops = gemv_ops()
-    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
-        ops.gemv(torch.randn(9, 16), torch.randn(4, 16), None)
+    w = gemv_weight(torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got"):
+        ops.gemv(torch.randn(9, 16), w, 4, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.gemv(torch.randn(1, 16), torch.randn(4, 16).half(), None)
+        ops.gemv(torch.randn(1, 16), w.half(), 4, None)
+    with pytest.raises(RuntimeError, match="tiled layout"):  # a plain [N, K] weight
+        ops.gemv(torch.randn(1, 16), torch.randn(4, 16), 4, None)
+    with pytest.raises(RuntimeError, match="tiled layout"):  # N past the tiles
+        ops.gemv(torch.randn(1, 16), w, 33, None)
 
 
 @needs_onednn

@@ -182,7 +182,7 @@ def test_huge_pages_can_be_switched_off(monkeypatch):
 def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     from model_utils import build_tiny_model
 
-    from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops
+    from atom_core.layers.linear import Linear, StreamedEmbedding, StreamingGemm, gemv_ops
     from atom_core.layers.quant import StreamingGroupGemm
     from atom_core.llm_engine import LLMEngine
 
@@ -194,10 +194,10 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     model = engine.runner.model
     streamed = [m.gemm for m in model.modules() if isinstance(m, Linear)]
     streamed = [getattr(g, "inner", g) for g in streamed]
-    assert streamed and all(isinstance(g, StreamingGemm) and inside(g.weight, ranges) for g in streamed)
-    # The tied LM head streams the embedding's own weight: one copy, not two.
-    embedding = model.model.embed_tokens.weight
-    assert model.lm_head.gemm.inner.weight.data_ptr() == embedding.data_ptr()
+    assert streamed and all(isinstance(g, StreamingGemm) and inside(g.tiled, ranges) for g in streamed)
+    # The tied embedding reads the LM head's tiled copy: the table is not held a third time.
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, StreamedEmbedding) and embedding.tiled is model.lm_head.gemm.inner.tiled
     screen = model.lm_head.gemm.kernel  # the greedy screen's 8-bit copy, made at load
     assert screen is not None and all(inside(t, ranges) for t in (screen.qweight, screen.scales, screen.mins))
 

@@ -91,7 +91,7 @@ def test_bfloat16_logits_stay_close(tiny, request):
     folder, model = tiny
     references = bf16_references(request.node.callspec.params["tiny"], model)
     engine = LLMEngine(folder, dtype="bfloat16", num_kvcache_blocks=64, max_model_len=256)
-    assert engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert engine.runner.model.model.embed_tokens(torch.tensor([0])).dtype == torch.bfloat16
     prompts = random_prompts(PROMPT_LENS)
     results, logits = run_with_logits(engine, prompts, max_tokens=4)
     for prompt, result, steps in zip(prompts, results, logits):

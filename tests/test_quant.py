@@ -482,7 +482,7 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
     else:
         assert isinstance(body, StreamingGroupGemm) and body.bits == 4
     if head_bits is None:
-        assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+        assert not isinstance(model.model.embed_tokens, QuantizedEmbedding)  # a float head's (streamed) table
         assert not isinstance(model.lm_head.packed_weight, ExactTopLogits)
     else:
         head_kernel = model.lm_head.packed_weight.kernel

@@ -59,7 +59,7 @@ class ArgmaxScreen:
     """Wraps an LM head's streaming GEMM (`linear.StreamingGemm`); see the module's docstring."""
 
     def __init__(self, inner: Any):
-        self.inner, self.out_features = inner, inner.weight.shape[0]
+        self.inner, self.out_features = inner, inner.out_features
         self.kernel: StreamingGroupGemm | None = None  # made at the first screened step
         self.usable = True
 
@@ -73,7 +73,7 @@ class ArgmaxScreen:
 
     def build(self, bias: torch.Tensor | None) -> None:
         """The 8-bit copy and the bound's constants; `usable` False where they cannot serve."""
-        weight = self.inner.weight
+        weight = self.inner.rows()  # the plain [N, K] weight, for the copy and the bound
         n, k = weight.shape
         qw = quantize_int8(weight, GROUP)
         codes, scales, mins = StreamingGroupGemm.codes(qw)
@@ -114,7 +114,7 @@ class ArgmaxScreen:
             return None
         out = torch.full((x.shape[0], self.out_features), float("-inf"), dtype=x.dtype)
         cols, where = torch.unique(hit_cols, return_inverse=True)
-        exact = self.inner.ops.gemv(x, self.inner.weight[cols], None if bias is None else bias[cols])
+        exact = self.inner.columns(x, cols, bias)
         out[hit_rows, hit_cols] = exact[hit_rows, where]
         return out
 
@@ -131,10 +131,9 @@ class ArgmaxScreen:
 def screen_lm_head(gemm: Any) -> Any:
     """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, whose plain
     float weight has in_features in whole groups of 32); else `gemm` itself."""
-    weight = getattr(gemm, "weight", None)
-    streaming = all(hasattr(gemm, a) for a in ("max_rows", "ops", "make_batch_invariant"))
-    if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or weight is None or not streaming:
+    streaming = all(hasattr(gemm, a) for a in ("max_rows", "ops", "rows", "columns", "make_batch_invariant"))
+    if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or not streaming:
         return gemm
-    if weight.dim() != 2 or weight.shape[1] % GROUP or weight.dtype not in EPS:
+    if gemm.in_features % GROUP or gemm.dtype not in EPS:
         return gemm
     return ArgmaxScreen(gemm)

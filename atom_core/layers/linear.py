@@ -12,9 +12,11 @@ the plain weight (a tied LM head leaves the embedding's alone). Other devices ke
 At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
 under the memory's pace; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
 or near the machine's copy bandwidth (`benchmarks/gemv_bandwidth.py`, README's Kernels),
-on the plain weight, placed in huge pages (`memory.weight_arena`) and kept beside the
-packed one: float weights take twice their size in memory on CPU (ATOM_DISABLE_GEMV=1
-keeps one copy and the oneDNN path at every row count).
+from its own copy of the weight in tiles of 32 rows (`gemv_weight`), placed in huge pages
+(`memory.weight_arena`) and kept beside the packed one: float weights take twice their
+size in memory on CPU (ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every
+row count). An embedding tied to a streamed head reads its rows from the tiled copy
+(`StreamedEmbedding`), so a tied table is not held a third time.
 """
 
 from __future__ import annotations
@@ -53,31 +55,83 @@ def gemv_ops() -> ModuleType | None:
         return None
     ops = load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
     if ops is not None:  # the shapes `torch.compile` traces with (the ops themselves are registered in C++)
-        torch.library.register_fake("atom_gemv::gemv")(lambda x, w, bias: x.new_empty((x.shape[0], w.shape[0])))
+        torch.library.register_fake("atom_gemv::gemv")(lambda x, w, n, bias: x.new_empty((x.shape[0], n)))
         torch.library.register_fake("atom_gemv::qgemm")(lambda x, qw, d, mn, n, bias: x.new_empty((x.shape[0], n)))
     return ops
 
 
+# gemv_cpu.cpp's tile of output rows: a tile is one stream, each k's 32 values side by side.
+TILE = 32
+
+
+def gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in the streaming kernel's layout: tiles of 32 output rows (N padded with
+    zero rows), within a tile each k's 32 values together; bfloat16 goes by pairs of k (K
+    padded to even), so a tile is [K / 2, 32, 2]. Why: see gemv_cpu.cpp."""
+    n, k = weight.shape
+    pairs = weight.dtype == torch.bfloat16
+    kp = k + k % 2 if pairs else k
+    if kp != k or n % TILE:
+        weight = F.pad(weight, (0, kp - k, 0, -n % TILE))
+    tiles = weight.shape[0] // TILE
+    if pairs:
+        return weight.reshape(tiles, TILE, kp // 2, 2).transpose(1, 2).contiguous()
+    return weight.reshape(tiles, TILE, kp).transpose(1, 2).contiguous()
+
+
+def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The rows `rows` [L] of the [N, K] weight `tiled` holds (`gemv_weight`'s layout): [L, K]."""
+    picked = tiled[rows // TILE, :, rows % TILE]  # [L, K] (bfloat16: [L, K / 2, 2])
+    return picked.flatten(1)[:, :in_features]
+
+
 class StreamingGemm:
-    """Packed oneDNN, and the weight-streaming kernel on the plain weight for 1 to `max_rows` rows."""
+    """Packed oneDNN, and the weight-streaming kernel on its own tiled copy (`gemv_weight`, in
+    huge pages when loaded in a `weight_arena`) for 1 to `max_rows` rows."""
 
     def __init__(self, weight: torch.Tensor, ops: ModuleType):
-        self.weight, self.ops, self.max_rows = weight.detach().contiguous(), ops, int(ops.MAX_ROWS)
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.tiled: torch.Tensor | None = resident(gemv_weight(weight.detach()))
+        self.ops, self.max_rows = ops, int(ops.MAX_ROWS)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.max_rows:
             if torch.compiler.is_compiling():
-                return torch.ops.atom_gemv.gemv(x, self.weight, bias)
-            return self.ops.gemv(x, self.weight, bias)
+                return torch.ops.atom_gemv.gemv(x, self.tiled, self.out_features, bias)
+            return self.ops.gemv(x, self.tiled, self.out_features, bias)
         return _onednn_linear(x, packed, bias)
 
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the weight as [len(index), K] (all of them when `index` is None)."""
+        if index is None:
+            index = torch.arange(self.out_features)
+        return gemv_rows(self.tiled, index, self.in_features)
+
+    def columns(self, x: torch.Tensor, cols: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The outputs `cols` alone for 1 to `max_rows` rows of x, each equal bit for bit to that
+        column of the whole product (the kernel sums each output alike in any subset)."""
+        return self.ops.gemv(x, gemv_weight(self.rows(cols)), len(cols), None if bias is None else bias[cols])
+
     def make_batch_invariant(self) -> None:
-        """oneDNN at every row count; the plain copy goes."""
-        self.max_rows, self.weight = 0, None
+        """oneDNN at every row count; the tiled copy goes (a tied embedding keeps its reference)."""
+        self.max_rows, self.tiled = 0, None
 
     @property
     def batch_invariant(self) -> bool:
         return self.max_rows == 0
+
+
+class StreamedEmbedding(nn.Module):
+    """An embedding tied to a streamed LM head: its rows are read from the head's tiled copy,
+    so the table is held once (`process_weights`)."""
+
+    def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tiled, self.num_embeddings, self.embedding_dim = tiled, num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gemv_rows(self.tiled, ids.reshape(-1), self.embedding_dim).reshape(*ids.shape, self.embedding_dim)
 
 
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
@@ -148,10 +202,6 @@ class Linear(nn.Linear):
             self.weight = None
             return
         self.gemm, weight = pick_gemm(self.weight)
-        if isinstance(self.gemm, StreamingGemm):  # decode steps stream it: into huge pages
-            with torch.no_grad():  # a tied embedding moves with it: one copy
-                self.weight.data = resident(self.weight.data)
-            self.gemm.weight = self.weight.detach()
         if self.is_lm_head:
             self.gemm = screen_lm_head(self.gemm)
         if weight is not self.weight:
@@ -161,6 +211,21 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.packed_weight is None else self.packed_weight
         return self.gemm(x, weight, self.bias)
+
+
+def process_weights(model: nn.Module) -> None:
+    """Every module's `process_weights_after_loading`; then each embedding whose table a streamed
+    LM head now holds in its tiled copy becomes a `StreamedEmbedding` of that copy."""
+    embeddings = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    tied = {embeddings[id(m.weight)]: m for m in model.modules() if isinstance(m, Linear) and id(m.weight) in embeddings}
+    for m in model.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading()
+    for name, head in tied.items():
+        kernel = getattr(head.gemm, "inner", head.gemm)  # an ArgmaxScreen wraps the streaming GEMM
+        if isinstance(kernel, StreamingGemm) and kernel.tiled is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, StreamedEmbedding(kernel.tiled, kernel.out_features, kernel.in_features))
 
 
 def mark_lm_heads(model: nn.Module) -> None:

@@ -2,18 +2,27 @@
 //
 // At a few rows a Linear is a stream over its weight: each weight is read once and used M
 // times, so the kernel's job is to keep the memory bus busy. oneDNN's packed GEMM reads
-// SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine. Each thread takes a
-// contiguous run of output rows. Where the weight stream is the limit (bfloat16 weights
-// at 1-8 rows, float32 at 1-5) the thread reads them one whole row after another, each line
-// prefetched (non-temporal) PREFETCH_ROWS rows ahead: on the EPYC this was measured on,
-// 11-27% faster than walking several rows side by side, which had won on the earlier
-// machine (27 -> 35 GB/s float32), and at float32's 4 and 5 rows 25% faster than 3 rows side
-// by side (45 against 36 GB/s, copy 43). Where the arithmetic sets the pace (float32 at 6-8
-// rows) 3 rows go side by side, so that each load of x serves 3 of them. x stays in
-// L1/L2; products accumulate in float32 (bfloat16 pairs through vdpbf16ps when x is
-// bfloat16 too, in two chains per output, see `row_bf16`; else widened exactly, one chain
-// per output in k order in both layouts), and each output rounds once to the activation
-// dtype. The weights themselves sit in 2 MiB pages (`memory.weight_arena`).
+// SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine.
+//
+// The weight is laid out for this kernel (linear.py's `gemv_weight`): tiles of 32 output
+// rows, and within a tile, for each k (bfloat16: each pair k, k + 1), the 32 rows' values
+// side by side: 128 bytes, two vectors whose lane c belongs to output row c. A tile is one
+// sequential stream, which this host serves best (each variant that read two streams side
+// by side lost from memory), and x is broadcast: one load of x serves 32 outputs, and no
+// output needs a horizontal sum. The row-major kernel it replaced loaded x once per 16 or
+// 32 weights and summed each output across lanes; at 6-8 rows that set the pace, not the
+// memory (in cache, one core, 8 rows: bfloat16 37-41 -> 58-60 GB/s, float32 32-46 -> 58-59;
+// from memory in fast spells, copy 76-82 GB/s: bfloat16 66-72% -> 77-83% of copy, float32
+// 71-75% -> 87-92%). Each thread takes a contiguous run of tiles, each line prefetched
+// (non-temporal) PREFETCH_BYTES ahead. x stays in L1/L2.
+//
+// Each output is one chain of float32 sums in k order: fused multiply-adds of the widened
+// values, or with bfloat16 weights and activations one vdpbf16ps per pair (its two exact
+// products added together, then to the chain). Every output sums alike whatever M and
+// wherever its row sits in a tile, so a row computes alike at 1 to 8 rows and a column alike
+// in any subset of the weight's rows (the LM head screen's exact recomputation relies on
+// it). Each output rounds once to the activation dtype. The weights themselves sit in 2 MiB
+// pages (`memory.weight_arena`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,10 +35,9 @@
 
 #include "float_convert.h"
 
-// The loops over a tile's rows (R, M, MB: compile-time constants) unroll fully, so that
-// their accumulators live in registers: left to itself GCC 12 kept those of 2- and 3-row
-// tiles in stack memory, one store and reload per FMA (in cache, 3 rows of float32 ran at a
-// third of the speed of 4).
+// The loops over a tile's rows (M, MB: compile-time constants) unroll fully, so that their
+// accumulators live in registers: left to itself GCC 12 kept those of small tiles in stack
+// memory, one store and reload per FMA.
 #define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
@@ -37,7 +45,7 @@ namespace {
 using atom::from_float;
 using atom::to_float;
 
-// 16 values (weights, or activations) widened to float32.
+// 16 values (activations) widened to float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -46,132 +54,100 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+
+constexpr int64_t TILE = 32;  // output rows per tile: two vectors
+// How far ahead in a tile's stream each line is prefetched: 8 KiB read 2-6% faster than 4
+// at 6-8 rows (in fast spells) and level at 1-2.
+constexpr int64_t PREFETCH_BYTES = 8192;
+
+inline void prefetch_step(const void* p) {
+  const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
+  _mm_prefetch(c, _MM_HINT_NTA);
+  _mm_prefetch(c + 64, _MM_HINT_NTA);
 }
 
-// How many rows ahead a streamed weight row is prefetched.
-constexpr int64_t PREFETCH_ROWS = 4;
-
-// The cache line at `p` some rows ahead (streaming one weight row after another:
-// PREFETCH_ROWS; side by side: the next tile of R), non-temporal, so that the weights, read
-// once a step, do not evict from L2 and L3 what the rest of the step works on (the
-// interpreter, the small tensors of norms and attention): batch-1 decode 4-8% faster in
-// bfloat16 and at 4 bits, level in float32; float32 at 4-8 rows read 0-13% faster.
-template <bool STREAM, int R, typename W>
-inline void prefetch_line(const W* p, int64_t ldw) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + (STREAM ? PREFETCH_ROWS : R) * ldw), _MM_HINT_NTA);
-}
-
-// R weight rows starting at `w` against the M rows of x: out[m * R + r] = sum_k x[m][k] * w[r][k].
-template <typename W, int M, int R, bool STREAM>
-inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* out) {
-  __m512 acc[R][M];
-  UNROLL for (int r = 0; r < R; ++r)
-    UNROLL for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[R];
-    UNROLL for (int r = 0; r < R; ++r) {
-      if (sizeof(W) == 4 || (k & 31) == 0) prefetch_line<STREAM, R>(w + r * ldw + k, ldw);
-      wv[r] = load16(w + r * ldw + k);
-    }
+// One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
+// outputs 16 h .. 16 h + 15 of row m.
+template <int M>
+inline void tile_f32(const float* x, int64_t K, const float* w, __m512 (&acc)[2][M]) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * TILE;
+    prefetch_step(wk);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     UNROLL for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      acc[0][m] = _mm512_fmadd_ps(w0, xv, acc[0][m]);
+      acc[1][m] = _mm512_fmadd_ps(w1, xv, acc[1][m]);
     }
   }
-  if (k < K) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    __m512 wv[R];
-    UNROLL for (int r = 0; r < R; ++r) wv[r] = load16(w + r * ldw + k, mask);
-    UNROLL for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-      UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-    }
-  }
-  UNROLL for (int m = 0; m < M; ++m)
-    UNROLL for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// One bfloat16 weight row against M rows of bfloat16 activations: pairs of exact products
-// summed in float32 (`vdpbf16ps`), 32 weights per instruction. Each output keeps two chains,
-// the blocks of 32 at even and at odd positions along k, added before the lane sum: with
-// one chain, vdpbf16ps's 6-cycle latency set the pace at 6-8 rows (in cache, 8 rows: 58-66
-// -> 66-75 GB/s; from memory in fast spells, 6 rows: 78-80% -> 86-87% of copy bandwidth,
-// 8 rows: 70-72% -> 75-77%). Every M sums alike, so a row computes alike at 1 to 8 rows.
-template <int M, bool STREAM>
-inline void row_bf16(const c10::BFloat16* xb, int64_t K, const c10::BFloat16* w, int64_t ldw, float* out) {
-  __m512 even[M], odd[M];
-  UNROLL for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    prefetch_line<STREAM, 1>(w + k, ldw);
-    prefetch_line<STREAM, 1>(w + k + 32, ldw);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+// bfloat16 weights (lane c of a pair's vector: row c's values at k and k + 1, low half first)
+// against float32 activations: both values widened exactly, two fused multiply-adds.
+template <int M>
+inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, __m512 (&acc)[2][M]) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; k += 2) {
+    const c10::BFloat16* wk = w + k * TILE;
+    prefetch_step(wk);
+    __m512 even[2], odd[2];
+    UNROLL for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(wk + 32 * h);
+      even[h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[h] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
     UNROLL for (int m = 0; m < M; ++m) {
-      even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
-      odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
+      const __m512 x0 = _mm512_set1_ps(x[m * K + k]), x1 = _mm512_set1_ps(x[m * K + k + 1]);
+      UNROLL for (int h = 0; h < 2; ++h) acc[h][m] = _mm512_fmadd_ps(odd[h], x1, _mm512_fmadd_ps(even[h], x0, acc[h][m]));
     }
   }
-  // Up to two blocks remain, the first at an even position (whole or not), the second odd.
-  auto block = [&](__m512(&acc)[M], int64_t k0) {
-    const int64_t n = K - k0 < 32 ? K - k0 : 32;
-    const __mmask32 mask = n == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << n) - 1u);
-    if (n == 32) prefetch_line<STREAM, 1>(w + k0, ldw);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k0);
-    UNROLL for (int m = 0; m < M; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + m * K + k0));
-  };
-  if (k < K) block(even, k);
-  if (k + 32 < K) block(odd, k + 32);
-  UNROLL for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
 }
 
-// Rows [begin, end) of w for all M rows of x, written to y (dtype T, row stride ldy). X is
-// float (x widened once) or, with bfloat16 weights and activations, bfloat16 itself.
+// bfloat16 weights and activations: one vdpbf16ps per pair (x's pair broadcast as 32 bits).
+template <int M>
+inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, __m512 (&acc)[2][M]) {
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t P = K / 2;
+  for (int64_t p = 0; p < P; ++p) {
+    const c10::BFloat16* wp = w + p * 2 * TILE;
+    prefetch_step(wp);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    UNROLL for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pairs[m * P + p]);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], w0, xv);
+      acc[1][m] = _mm512_dpbf16_ps(acc[1][m], w1, xv);
+    }
+  }
+}
+
+// Tiles [begin, end) for all M rows of x, written to y (dtype T, N columns).
 template <typename W, typename X, typename T, int M>
-void run_rows(const X* x, int64_t K, const W* w, const float* bias, T* y, int64_t ldy, int64_t begin, int64_t end) {
-  // Where the stream is the limit (STREAM: bfloat16 weights, or float32 at up to 5 rows of
-  // x): one weight row at a time, each line prefetched PREFETCH_ROWS rows ahead. Otherwise R
-  // weight rows side by side, so that each load of x serves R rows, the next R rows
-  // prefetched line by line. Every output sums its products in one order whatever M and
-  // R: a row of x computes alike at 1 to 8 rows.
-  constexpr bool STREAM = sizeof(W) == 2 ? M <= 8 : M <= 5;
-  constexpr int R = STREAM ? 1 : 3;
-  float part[M * R];
-  int64_t n = begin;
-  auto store = [&](int rows) {
-    UNROLL for (int m = 0; m < M; ++m)
-      for (int r = 0; r < rows; ++r) y[m * ldy + n + r] = from_float<T>(part[m * R + r] + (bias ? bias[n + r] : 0.f));
-  };
-  auto run = [&](auto rows_tag, const W* wr, float* out) {
-    constexpr int RT = decltype(rows_tag)::value;
-    if constexpr (std::is_same_v<X, c10::BFloat16>) {
-      static_assert(RT == 1, "bfloat16 weights stream one row at a time");
-      row_bf16<M, STREAM>(x, K, wr, K, out);
-    } else {
-      tile<W, M, RT, STREAM>(x, K, wr, K, out);
+void run_tiles(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    __m512 acc[2][M];
+    UNROLL for (int h = 0; h < 2; ++h)
+      UNROLL for (int m = 0; m < M; ++m) acc[h][m] = _mm512_setzero_ps();
+    const W* wt = w + t * TILE * K;
+    if constexpr (std::is_same_v<W, float>) tile_f32<M>(x, K, wt, acc);
+    else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
+    else tile_bf16<M>(x, K, wt, acc);
+    const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
+    UNROLL for (int m = 0; m < M; ++m) {
+      alignas(64) float out[TILE];
+      _mm512_store_ps(out, acc[0][m]);
+      _mm512_store_ps(out + 16, acc[1][m]);
+      T* row = y + m * N + n0;
+      for (int64_t c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
     }
-  };
-  for (; n + R <= end; n += R) {
-    run(std::integral_constant<int, R>{}, w + n * K, part);
-    store(R);
-  }
-  for (; n < end; ++n) {
-    float one[M];
-    run(std::integral_constant<int, 1>{}, w + n * K, one);
-    UNROLL for (int m = 0; m < M; ++m) part[m * R] = one[m];
-    store(1);
   }
 }
 
 template <typename W, typename X, typename T, int M>
 void gemv_impl(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
-  // Whole runs of rows per thread (each a long sequential stream), at least 64 rows each.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { run_rows<W, X, T, M>(x, K, w, bias, y, N, begin, end); });
+  // Whole runs of tiles per thread (each a long sequential stream), at least two each.
+  at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
+    run_tiles<W, X, T, M>(x, K, w, N, bias, y, begin, end);
+  });
 }
 
 template <typename W, typename X, typename T>
@@ -192,15 +168,22 @@ void dispatch_m(int64_t M, const X* x, int64_t K, const W* w, int64_t N, const f
 
 constexpr int64_t MAX_ROWS = 8;
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+// w in the tiled layout: float32 [ceil(N / 32), K, 32], bfloat16 [ceil(N / 32), ceil(K / 2), 32, 2].
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv takes x [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", x.size(0));
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv takes x [M, K] with 1 to ", MAX_ROWS,
+              " rows, got ", x.sizes());
   TORCH_CHECK(w.is_contiguous(), "gemv weight must be contiguous");
   const auto wt = w.scalar_type(), xt = x.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "gemv weights are float32 or bfloat16, not ", wt);
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "gemv activations are float32 or bfloat16, not ", xt);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + TILE - 1) / TILE;
+  const bool pairs = wt == at::kBFloat16;
+  const int64_t Kp = pairs ? K + K % 2 : K;
+  TORCH_CHECK(N >= 1 && (pairs ? w.dim() == 4 && w.size(1) == Kp / 2 && w.size(2) == TILE && w.size(3) == 2
+                               : w.dim() == 3 && w.size(1) == K && w.size(2) == TILE) && w.size(0) == tiles,
+              "gemv weight must be in its tiled layout (linear.gemv_weight) for N = ", N, " and K = ", K, ", got ",
+              w.sizes());
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "gemv bias must have ", N, " values");
@@ -208,20 +191,21 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto y = at::empty({M, N}, x.options());
+  // x padded to the weight's K (a zero after an odd K: bfloat16 weights go in pairs)
+  auto padded = [&](const at::Tensor& t) { return Kp == K ? t.contiguous() : at::constant_pad_nd(t, {0, Kp - K}); };
   if (wt == at::kBFloat16 && xt == at::kBFloat16) {
-    const at::Tensor xc = x.contiguous();
-    dispatch_m(M, xc.data_ptr<c10::BFloat16>(), K, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
+    const at::Tensor xc = padded(x);
+    dispatch_m(M, xc.data_ptr<c10::BFloat16>(), Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
     return y;
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = padded(x.to(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   if (wt == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    if (xt == at::kFloat) dispatch_m(M, xp, K, wp, N, bp, y.data_ptr<float>());
-    else dispatch_m(M, xp, K, wp, N, bp, y.data_ptr<c10::BFloat16>());
+    if (xt == at::kFloat) dispatch_m(M, xp, Kp, wp, N, bp, y.data_ptr<float>());
+    else dispatch_m(M, xp, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
   } else {
-    const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
-    dispatch_m(M, xp, K, wp, N, bp, y.data_ptr<float>());  // float32 activations
+    dispatch_m(M, xp, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<float>());  // float32 activations
   }
   return y;
 }
@@ -416,7 +400,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
 
 // Also torch ops, `atom_gemv::gemv` and `atom_gemv::qgemm`, so a traced graph (`atom_core.compile`) can call them.
 TORCH_LIBRARY(atom_gemv, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, int N, Tensor? bias) -> Tensor");
   m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) {
@@ -425,7 +409,7 @@ TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, weight-streaming (CPU)");
+  m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, w in tiles of 32 rows (linear.gemv_weight), weight-streaming (CPU)");
   m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, any rows of x, batch-invariant (CPU)");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }
