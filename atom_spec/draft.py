@@ -38,6 +38,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context
+from atom_core.layers.embedding import LookupEmbedding
 from atom_core.loader import SKIP, safetensors_files
 from atom_core.speculative import Drafts, ProposalInput, Proposer
 
@@ -82,11 +83,12 @@ def checkpoint_names(folder: str | Path) -> list[str]:
     return names
 
 
-def target_embedding(model: nn.Module) -> nn.Embedding:
-    """The target's token embedding, for a draft that shares it."""
+def target_embedding(model: nn.Module) -> nn.Module:
+    """The target's token embedding, for a draft that shares it (a tied one may read its
+    rows from the LM head's kernel: a `LookupEmbedding`)."""
     get = getattr(model, "get_input_embeddings", None)
     found = get() if callable(get) else getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not isinstance(found, nn.Embedding):
+    if not isinstance(found, (nn.Embedding, LookupEmbedding)):
         raise ValueError(
             f"{type(model).__name__} exposes no token embedding (model.embed_tokens) for the draft to share"
         )

@@ -22,6 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
+from atom_core.layers.embedding import LookupEmbedding  # noqa: E402
 from model_utils import add_mtp_layer, build_eagle3_head, build_tiny_model, random_prompts, scale_rows  # noqa: E402
 
 NEW = 24
@@ -114,6 +115,20 @@ def test_greedy_output_is_unchanged_under_preemption(target):
     assert [r["token_ids"] for r in out] == plain(target)
     assert engine.scheduler.block_manager.num_free_blocks == 12
     assert engine.get_spec_stats()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_eagle3_shares_a_tied_targets_embedding(tmp_path, quantization):
+    """A tied target's embedding reads its rows from its LM head's kernel (the streaming
+    kernel's tiled copy, or the quantized weight); a draft without its own shares it all the same."""
+    folder, head = tmp_path / "tied", tmp_path / "head"
+    build_tiny_model("llama_tied_rope3", folder, num_hidden_layers=8)
+    build_eagle3_head(head, folder, list(range(128)))
+    spec = dict(method="eagle3", model=str(head), num_speculative_tokens=2, min_acceptance_rate=0)
+    tokens, engine, _ = generate(folder, spec, quantization=quantization)
+    assert isinstance(engine.runner.model.model.embed_tokens, LookupEmbedding)
+    assert engine.get_spec_stats()["num_draft_tokens"] > 0
+    assert tokens == generate(folder, quantization=quantization)[0]
 
 
 # -- drafts against a direct computation on the checkpoints' weights --------------------

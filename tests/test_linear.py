@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.layers.linear import Linear, MergedLinear, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -133,6 +133,23 @@ def test_streaming_gemv_refuses_what_it_cannot_take():
         ops.gemv(torch.randn(1, 16), torch.randn(4, 16), 4, None)
     with pytest.raises(RuntimeError, match="tiled layout"):  # N past the tiles
         ops.gemv(torch.randn(1, 16), w, 33, None)
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype):
+    """Rows as `nn.Embedding` gives them (odd K: bfloat16 pads its pairs; N past a tile);
+    an id outside the table fails by name instead of reading padding or wrapping around."""
+    table = torch.randn(40, 15).to(dtype)
+    gemm = StreamingGemm(table, gemv_ops())
+    emb = StreamedEmbedding(gemm.tiled, 40, 15)
+    ids = torch.tensor([[0, 39, 7], [31, 32, 5]])
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, table))
+    for bad in (-1, 40, 63):
+        with pytest.raises(IndexError, match=f"token id {bad} is outside the embedding table's 40 rows"):
+            emb(torch.tensor([3, bad]))
+    with pytest.raises(ValueError, match="x has 16 features, the weight takes 15"):
+        gemm(torch.randn(1, 16).to(dtype), None, None)
 
 
 @needs_onednn

@@ -148,6 +148,8 @@ def test_embedding_rows_from_a_quantized_table():
     emb = QuantizedEmbedding(qw, torch.float32)
     ids = torch.tensor([[3, 99], [0, 3]])
     assert torch.equal(emb(ids), qw.dequantize()[ids])
+    with pytest.raises(IndexError, match="token id -1 is outside the embedding table's 100 rows"):
+        emb(torch.tensor([-1, 3]))  # would have wrapped around to row 99
 
 
 def test_fallback_dequantizes_where_there_is_no_kernel(monkeypatch, caplog):

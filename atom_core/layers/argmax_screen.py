@@ -129,8 +129,8 @@ class ArgmaxScreen:
 
 
 def screen_lm_head(gemm: Any) -> Any:
-    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, whose plain
-    float weight has in_features in whole groups of 32); else `gemm` itself."""
+    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, on a float
+    weight with in_features in whole groups of 32); else `gemm` itself."""
     streaming = all(hasattr(gemm, a) for a in ("max_rows", "ops", "rows", "columns", "make_batch_invariant"))
     if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or not streaming:
         return gemm

@@ -5,7 +5,7 @@ multiplied by oneDNN. torch's float32 `F.linear` runs through MKL, which on the 
 machines we measure is 1.2-1.4x slower than packed oneDNN on the model's layer shapes
 and 2x on the vocab-sized LM head; for bfloat16 the packed weight is 1.2x faster than
 `F.linear` at 64 rows and 1.7x at one row (figures in README). The packed copy replaces
-the plain weight (a tied LM head leaves the embedding's alone). Other devices keep
+the plain weight (a tied embedding then reads the streaming kernel's copy). Other devices keep
 `F.linear`. A kernel plugin replaces `pick_gemm`. A layer given a quantized weight
 (`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
 
@@ -34,6 +34,7 @@ from torch import nn
 
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
 from atom_core.layers.cpp import load_extension
+from atom_core.layers.embedding import LookupEmbedding
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 from atom_core.memory import resident, weight_arena
 
@@ -81,8 +82,12 @@ def gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """The rows `rows` [L] of the [N, K] weight `tiled` holds (`gemv_weight`'s layout): [L, K]."""
-    picked = tiled[rows // TILE, :, rows % TILE]  # [L, K] (bfloat16: [L, K / 2, 2])
-    return picked.flatten(1)[:, :in_features]
+    if tiled.dim() == 4:  # bfloat16 pairs as one 32-bit value each: a gather of 4-byte elements
+        tiled = tiled.view(torch.int32).squeeze(-1)
+    picked = tiled[rows // TILE, :, rows % TILE]  # [L, K] (bfloat16: [L, K / 2] pairs)
+    if picked.dtype == torch.int32:
+        picked = picked.view(torch.bfloat16)
+    return picked[:, :in_features]
 
 
 class StreamingGemm:
@@ -97,6 +102,8 @@ class StreamingGemm:
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and 0 < x.shape[0] <= self.max_rows:
+            if x.shape[1] != self.in_features:  # the kernel sees K only through the padded tiles
+                raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
             if torch.compiler.is_compiling():
                 return torch.ops.atom_gemv.gemv(x, self.tiled, self.out_features, bias)
             return self.ops.gemv(x, self.tiled, self.out_features, bias)
@@ -122,16 +129,16 @@ class StreamingGemm:
         return self.max_rows == 0
 
 
-class StreamedEmbedding(nn.Module):
+class StreamedEmbedding(LookupEmbedding):
     """An embedding tied to a streamed LM head: its rows are read from the head's tiled copy,
-    so the table is held once (`process_weights`)."""
+    so the table is not held a third time (`process_weights`)."""
 
     def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.tiled, self.num_embeddings, self.embedding_dim = tiled, num_embeddings, embedding_dim
+        super().__init__(num_embeddings, embedding_dim)
+        self.tiled = tiled
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return gemv_rows(self.tiled, ids.reshape(-1), self.embedding_dim).reshape(*ids.shape, self.embedding_dim)
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return gemv_rows(self.tiled, ids, self.embedding_dim)
 
 
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
@@ -206,7 +213,7 @@ class Linear(nn.Linear):
             self.gemm = screen_lm_head(self.gemm)
         if weight is not self.weight:
             self.packed_weight = weight
-            self.weight = None  # the copy serves; a tied weight lives on in its other module
+            self.weight = None  # the copies serve (a tied embedding reads the tiled one, `process_weights`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.packed_weight is None else self.packed_weight

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.layers.embedding import LookupEmbedding
 from atom_core.layers.ops import near_max
 from atom_core.memory import resident
 
@@ -448,19 +449,18 @@ def _warn_once(message: str) -> None:
         logger.warning("atom: %s", message)
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(LookupEmbedding):
     """An embedding tied to a quantized LM head: rows are dequantized as they are looked up.
 
     Keeps no float copy of the table; for a GGUF Q8_0 table the rows are exactly the file's.
     """
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(*qw.shape)
         self.qw, self.dtype = qw, dtype
-        self.num_embeddings, self.embedding_dim = qw.shape
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qw.dequantize(self.dtype, rows=ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qw.dequantize(self.dtype, rows=ids)
 
 
 # --- which layers get what -----------------------------------------------------------------

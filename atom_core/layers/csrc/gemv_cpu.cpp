@@ -17,8 +17,8 @@
 // (non-temporal) PREFETCH_BYTES ahead. x stays in L1/L2.
 //
 // Each output is one chain of float32 sums in k order: fused multiply-adds of the widened
-// values, or with bfloat16 weights and activations one vdpbf16ps per pair (its two exact
-// products added together, then to the chain). Every output sums alike whatever M and
+// values, or with bfloat16 weights and activations one vdpbf16ps per pair (its two products
+// added into the chain in turn, each rounded, as this host computes it). Every output sums alike whatever M and
 // wherever its row sits in a tile, so a row computes alike at 1 to 8 rows and a column alike
 // in any subset of the weight's rows (the LM head screen's exact recomputation relies on
 // it). Each output rounds once to the activation dtype. The weights themselves sit in 2 MiB
