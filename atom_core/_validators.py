@@ -13,6 +13,18 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def boolean(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    """True or False: a string such as "false" would otherwise count as on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{attr.name} must be True or False, got {value!r}")
+
+
+def name(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    """A registry name (a policy's, a sampler's): a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attr.name} must be a name (a non-empty string), got {value!r}")
+
+
 def positive(inst: Any, attr: attrs.Attribute, value: Any) -> None:
     if value is None:
         return

@@ -14,6 +14,17 @@ DEFAULT_PROMPTS = (
 )
 
 
+
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object, its parse error named (argparse would say only "invalid loads value")."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+    return value
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="atom", description="Atom: a small, pluggable LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     gen.add_argument(
-        "--speculative-config", type=json.loads, default=None, metavar="JSON",
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
         help='draft-and-verify decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
 

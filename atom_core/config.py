@@ -7,8 +7,10 @@ from typing import Any
 import attrs
 
 from atom_core._validators import (
+    boolean,
     in_unit_interval,
     is_number,
+    name,
     non_negative_float,
     non_negative_int,
     optional_token_id,
@@ -145,7 +147,7 @@ class Config:
     max_num_seqs: int = attrs.field(default=512, validator=positive)
     max_num_batched_tokens: int = attrs.field(default=16384, validator=positive)
     kv_cache_block_size: int = attrs.field(default=16, validator=_block_size)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = attrs.field(default=False, validator=boolean)
     scheduler_delay_factor: float = attrs.field(default=0.0, validator=non_negative_float)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=in_unit_interval)
     num_kvcache_blocks: int | None = attrs.field(default=None, validator=positive)
@@ -159,7 +161,7 @@ class Config:
     # How many KV blocks one group's bytes are worth, for sizing the pool.
     per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
     # Precision of Gated DeltaNet per-request state: "float32" (exact) or "bfloat16" (half the memory).
-    gdn_state_dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16")))
+    gdn_state_dtype: str = attrs.field(default="float32", validator=_one_of(("float32", "bfloat16")))
     # State checkpoints for prefix caching on a model with per-request state (GDN hybrids):
     # copies of the state at block boundaries, kept least recently used first, each as big
     # as a group and paid from the same budget. Used only with enable_prefix_caching on such
@@ -173,7 +175,7 @@ class Config:
     # Bytes for the KV pool; None = a quarter of free RAM on CPU, or
     # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.
     kv_cache_memory: int | None = attrs.field(default=None, validator=positive)
-    sampler: str = "default"
+    sampler: str = attrs.field(default="default", validator=name)
     # -- weight quantization (atom_core/layers/quant.py) --
     # "auto": a model converted from GGUF keeps its Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 blocks (other quantized
     # types are requantized to the nearest of those), other checkpoints load as they are;
@@ -186,16 +188,16 @@ class Config:
     # "same" as the other layers, or "none" (floating point; also under "auto").
     quantize_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "same", "none")))
     # -- scheduling policy (a name from the "scheduler_policies" registry) --
-    scheduling_policy: str = attrs.field(default="mixed", validator=attrs.validators.instance_of(str))
+    scheduling_policy: str = attrs.field(default="mixed", validator=name)
     # Split a prompt longer than what is left of a step's token budget across steps.
-    enable_chunked_prefill: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    enable_chunked_prefill: bool = attrs.field(default=True, validator=boolean)
     # Cap on one request's prefill chunk per step; 0 = no cap.
     long_prefill_token_threshold: int = attrs.field(default=0, validator=non_negative_int)
     # `spyre`: tokens per prefill chunk (a multiple of kv_cache_block_size); None =
     # max_num_batched_tokens floored to a block multiple.
     prefill_chunk_size: int | None = attrs.field(default=None, validator=positive)
     # `spyre`: no two prefill steps in a row while any request is decoding.
-    interleave_prefill_decode: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    interleave_prefill_decode: bool = attrs.field(default=True, validator=boolean)
     # `spyre`: ceiling on batch_size x max tkv at every decode step (the hardware's KV volume).
     max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
     # Most top tokens a request may ask for in `logprobs` / `prompt_logprobs` (vLLM's
@@ -204,7 +206,7 @@ class Config:
     # True (default): run the model module by module. False: steps of up to 8 tokens take
     # the torch.compile'd forward (atom_core/compile.py; compiled on first use, cached on
     # disk). On CPU it measured no faster than eager here (docs/performance.md), hence the default.
-    enforce_eager: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    enforce_eager: bool = attrs.field(default=True, validator=boolean)
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
 

@@ -197,12 +197,13 @@ class LLMEngine:
         params = attrs.evolve(params)
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
+            n = asked = getattr(params, name)
             if n == -1:  # the whole vocabulary
                 n = self.vocab_size
                 setattr(params, name, n)
             if n is not None and limit != -1 and n > limit:
-                raise ValueError(f"{name}={n} exceeds max_logprobs={limit}")
+                whole = f" (the whole vocabulary, {n} tokens)" if asked == -1 else ""
+                raise ValueError(f"{name}={asked}{whole} exceeds max_logprobs={limit}")
             if n is not None and n > self.vocab_size:
                 raise ValueError(f"{name}={n} exceeds the model's vocabulary of {self.vocab_size} tokens")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -383,5 +384,8 @@ class LLMEngine:
     def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.config.model} has no chat template; use generate() with plain prompts")
+        for i, message in enumerate(conversation):  # else the template fails inside jinja
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise ValueError(f"chat message {i} must be a dict with a 'role' string and 'content', got {message!r}")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)

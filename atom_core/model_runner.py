@@ -270,6 +270,15 @@ class ModelRunner:
                 f"max_model_len={cfg.max_model_len} tokens needs{beside}; raise kv_cache_memory or "
                 f"num_kvcache_blocks, or lower max_model_len"
             )
+        total = num_blocks * block_bytes + self.num_per_req_cache_groups * group_bytes
+        total += self.num_state_checkpoints * self.checkpoint_bytes
+        free = free_memory_bytes(self.device)
+        if total > free:  # past it the pool's pages would be filled in until the OS kills the process
+            raise ValueError(
+                f"the KV pool from {source} takes {total} bytes ({num_blocks} blocks of {block_bytes} bytes"
+                f"{' and per-request state' if group_bytes else ''}), more than the {free} bytes of "
+                f"{self.device.type} memory available: lower kv_cache_memory or num_kvcache_blocks"
+            )
         self.block_bytes = block_bytes
         # What one group is worth in blocks, for the scheduler's own accounting.
         self.per_req_cache_equiv_blocks = -(-group_bytes // block_bytes) if group_bytes and block_bytes else 0

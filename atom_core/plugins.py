@@ -66,11 +66,22 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             warnings.warn(f"atom plugin {name!r} ({ep.value}, from {dist}) failed to load: {e}", stacklevel=2)
             continue
         plugin_distributions[name] = f"{dist} {ep.dist.version}" if ep.dist is not None else "?"
+    _warn_unknown_hooks(pm)
+
+
+_warned_hooks: set[tuple[str, str]] = set()
+
+
+def _warn_unknown_hooks(pm: pluggy.PluginManager) -> None:
+    """Once per (hook, plugin), whether it came from an entry point or `pm.register`."""
     for hook, plugin in unknown_hooks(pm):
+        if (hook, plugin) in _warned_hooks:
+            continue
+        _warned_hooks.add((hook, plugin))
         warnings.warn(
             f"atom plugin {plugin!r} implements {hook!r}, which is not an Atom hook (a typo?); it is never "
             f"called. The hooks: {', '.join(sorted(hook for hook, _ in REGISTRY_HOOKS.values()))}",
-            stacklevel=2,
+            stacklevel=3,
         )
 
 
@@ -94,6 +105,7 @@ def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
     if kind not in REGISTRY_HOOKS:
         raise ValueError(f"unknown registry kind {kind!r}; known kinds: {', '.join(REGISTRY_HOOKS)}")
     pm = pm or get_plugin_manager()
+    _warn_unknown_hooks(pm)  # a plugin registered in-process (`pm.register`) gets the same warning
     hook_name, label = REGISTRY_HOOKS[kind]
     registry = Registry(label, hook_name, failed_plugins=dict(failed_plugins))
     # Called one plugin at a time so every entry records which plugin made it. A hook

