@@ -130,13 +130,13 @@ def _architecture(file: GGUFFile) -> GGUFArchitecture:
     return description.for_file(file)
 
 
+# The per-dimension rope factors of llama3-style scaling: read into the config, not a weight.
+ROPE_FREQS_TENSOR = gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight"
+
+
 def _common_config(file: GGUFFile) -> dict:
     """What every decoder's HF config reads alike; the architecture's description does the rest."""
     name = file.architecture
-    if file.has(MODEL_TENSOR.ROPE_FREQS):
-        # llama3-style rope scaling: GGUF keeps only the resulting per-dimension factors, not
-        # the rope_scaling parameters an HF config needs.
-        raise ValueError(f"{name!r} GGUF with rope_freqs (llama3-style rope scaling) is not supported")
 
     vocab = file.get(Keys.LLM.VOCAB_SIZE)
     if vocab is None:
@@ -185,6 +185,12 @@ def _common_config(file: GGUFFile) -> dict:
     }
     if (ffn := file.get(Keys.LLM.FEED_FORWARD_LENGTH)) is not None:
         config["intermediate_size"] = int(ffn)
+    if file.has(MODEL_TENSOR.ROPE_FREQS):
+        # llama3-style rope scaling (Llama 3.1 / 3.2): the file keeps the per-dimension factors
+        # the rope frequencies are divided by, not the HF rope_scaling parameters they came
+        # from; Atom's rotary embedding divides by them as llama.cpp does (`rotary.get_rope`).
+        freqs = next(t for t in file.reader.tensors if t.name == ROPE_FREQS_TENSOR)
+        config["rope_freq_factors"] = [float(v) for v in _dequantize(freqs).reshape(-1)]
     return config
 
 
@@ -285,7 +291,7 @@ def _per_expert(hf_name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torc
 
 def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
     arch, config, plan = _describe(reader, dtype)
-    if unknown := [t.name for t in reader.tensors if t.name not in plan]:
+    if unknown := [t.name for t in reader.tensors if t.name not in plan and t.name != ROPE_FREQS_TENSOR]:
         raise ValueError(f"GGUF tensors with no {config['architectures'][0]} counterpart: {unknown[:8]}")
 
     state: dict[str, torch.Tensor] = {}
@@ -297,6 +303,8 @@ def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, 
         state[hf_name] = weight.to(dtype).contiguous()
 
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:  # in the config (`rope_freq_factors`)
+            continue
         target = plan[tensor.name]
         weight = torch.from_numpy(_dequantize(tensor))
         if target.joined is not None:

@@ -1,5 +1,6 @@
 """GGUF files written by llama.cpp's own converter load in Atom, for every family Atom runs
-and llama.cpp writes: Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V2 and -V3.
+and llama.cpp writes: Llama (with Llama 3's rope scaling too), Qwen3, Qwen3-MoE, Mixtral,
+DeepSeek-V2 and -V3.
 
 Tiny random transformers models (tests/model_utils.py) are converted by
 `convert_hf_to_gguf.py` from the llama-cpp-python sdist (tests/gguf_convert.py fetches it
@@ -32,6 +33,8 @@ from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits
 # family -> (tiny model in model_utils.ARCHS, config overrides, converter --outtype)
 FAMILIES = {
     "llama": ("llama", {}, "f32"),  # Q/K rows permuted by the converter
+    # Llama 3.1 / 3.2 rope scaling: the file keeps only the per-dimension factors (rope_freqs)
+    "llama3_rope": ("llama_tied_rope3", {}, "f32"),
     "qwen3": ("qwen3", {}, "f32"),  # tied embeddings, head_dim != hidden / heads
     # llama.cpp's qwen3moe has no dense layers and always renormalises the top-k weights
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "f32"),
@@ -88,6 +91,9 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
     config, state = load_gguf(path)
     expected = load_file(str(folder / "model.safetensors"))
     assert config["architectures"] == [arch["cls"]]
+    if family == "llama3_rope":  # factor 8 for the low frequencies, 1 for the high ones
+        factors = config["rope_freq_factors"]
+        assert (max(factors), min(factors), len(factors)) == (8.0, 1.0, config["hidden_size"] // config["num_attention_heads"] // 2)
     assert sorted(state) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name

@@ -89,12 +89,20 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, looked up per token."""
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None, scaling: float = 1.0
+        self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None, scaling: float = 1.0,
+        freq_factors: list[float] | None = None,
     ):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if inv_freq_scaler is not None:
             inv_freq = inv_freq_scaler(inv_freq, params)
+        if freq_factors is not None:  # a GGUF file's rope_freqs, as llama.cpp applies them
+            if len(freq_factors) != inv_freq.numel():
+                raise ValueError(
+                    f"rope_freq_factors holds {len(freq_factors)} factors; a rotary dimension of {head_dim} takes "
+                    f"{inv_freq.numel()}"
+                )
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
@@ -115,5 +123,6 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbeddin
     if kind == "yarn" and p.get("factor") is None:  # DeepSeek-V3 style: implied by the two lengths
         p["factor"] = hf_config.max_position_embeddings / p["original_max_position_embeddings"]
     return RotaryEmbedding(
-        head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p, scaling=attention_factor(p)
+        head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p, scaling=attention_factor(p),
+        freq_factors=getattr(hf_config, "rope_freq_factors", None),
     )
