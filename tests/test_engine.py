@@ -248,6 +248,16 @@ def test_bad_prompts_are_refused_without_disturbing_requests_in_flight(engine, p
     assert engine.scheduler.block_manager.num_free_blocks == 32
 
 
+def test_an_explicit_pool_needs_no_free_memory_reading(tiny, monkeypatch):
+    """Where free memory cannot be read (no /proc/meminfo), a pool of given size is taken as given."""
+    def unreadable(device):
+        raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
+
+    monkeypatch.setattr("atom_core.model_runner.free_memory_bytes", unreadable)
+    engine = LLMEngine(tiny[0], num_kvcache_blocks=16, max_model_len=128)
+    assert engine.scheduler.block_manager.num_free_blocks == 16
+
+
 def test_configuration_errors_name_the_problem(tiny):
     with pytest.raises(TypeError, match="'max_batch'"):
         LLMEngine(tiny[0], max_batch=4)

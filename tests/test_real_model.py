@@ -95,8 +95,8 @@ def test_chat_answers_and_stops_at_eos(engine):
     assert r["text"] == "The capital of France is Paris."
     assert r["finish_reason"] == "eos"
     assert r["token_ids"][-1] == engine.config.eos_token_id == 2
-    with pytest.raises(ValueError, match="chat message 1 must be a dict with a 'role' string and 'content'"):
-        engine.chat([{"role": "user", "content": "Hi"}, {"role": "user"}])
+    with pytest.raises(ValueError, match="chat message 1 must be a dict with a 'role' string"):
+        engine.chat([{"role": "user", "content": "Hi"}, {"content": "no role"}])
 
 
 def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(engine, prompts):
