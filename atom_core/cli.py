@@ -14,7 +14,6 @@ DEFAULT_PROMPTS = (
 )
 
 
-
 def _json_object(text: str) -> dict:
     """argparse type: a JSON object, its parse error named (argparse would say only "invalid loads value")."""
     try:
@@ -24,6 +23,7 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
     return value
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="atom", description="Atom: a small, pluggable LLM inference engine")

@@ -31,3 +31,20 @@ class LookupEmbedding(nn.Module):
                 bad = low if low < 0 else high
                 raise IndexError(f"token id {bad} is outside the embedding table's {self.num_embeddings} rows")
         return self.rows(flat).reshape(*ids.shape, self.embedding_dim)
+
+
+def tied_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) for each `nn.Embedding` of `model` and each other module sharing its
+    weight (a tied LM head): where the embedding may read its rows from that module's kernel."""
+    names = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return [
+        (names[id(m.weight)], m)
+        for m in model.modules()
+        if not isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None and id(m.weight) in names
+    ]
+
+
+def replace_embedding(model: nn.Module, name: str, embedding: LookupEmbedding) -> None:
+    """Put `embedding` where `model`'s submodule `name` was."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, embedding)

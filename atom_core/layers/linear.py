@@ -34,7 +34,7 @@ from torch import nn
 
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
 from atom_core.layers.cpp import load_extension
-from atom_core.layers.embedding import LookupEmbedding
+from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 from atom_core.memory import resident, weight_arena
 
@@ -82,12 +82,11 @@ def gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """The rows `rows` [L] of the [N, K] weight `tiled` holds (`gemv_weight`'s layout): [L, K]."""
-    if tiled.dim() == 4:  # bfloat16 pairs as one 32-bit value each: a gather of 4-byte elements
+    pairs = tiled.dim() == 4
+    if pairs:  # bfloat16 pairs as one 32-bit value each: a gather of 4-byte elements
         tiled = tiled.view(torch.int32).squeeze(-1)
     picked = tiled[rows // TILE, :, rows % TILE]  # [L, K] (bfloat16: [L, K / 2] pairs)
-    if picked.dtype == torch.int32:
-        picked = picked.view(torch.bfloat16)
-    return picked[:, :in_features]
+    return (picked.view(torch.bfloat16) if pairs else picked)[:, :in_features]
 
 
 class StreamingGemm:
@@ -223,16 +222,15 @@ class Linear(nn.Linear):
 def process_weights(model: nn.Module) -> None:
     """Every module's `process_weights_after_loading`; then each embedding whose table a streamed
     LM head now holds in its tiled copy becomes a `StreamedEmbedding` of that copy."""
-    embeddings = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    tied = {embeddings[id(m.weight)]: m for m in model.modules() if isinstance(m, Linear) and id(m.weight) in embeddings}
+    tied = tied_embeddings(model)  # now: processing lets go of the heads' plain weights
     for m in model.modules():
         if hasattr(m, "process_weights_after_loading"):
             m.process_weights_after_loading()
-    for name, head in tied.items():
-        kernel = getattr(head.gemm, "inner", head.gemm)  # an ArgmaxScreen wraps the streaming GEMM
+    for name, head in tied:
+        gemm = getattr(head, "gemm", None)
+        kernel = getattr(gemm, "inner", gemm)  # an ArgmaxScreen wraps the streaming GEMM
         if isinstance(kernel, StreamingGemm) and kernel.tiled is not None:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, StreamedEmbedding(kernel.tiled, kernel.out_features, kernel.in_features))
+            replace_embedding(model, name, StreamedEmbedding(kernel.tiled, kernel.out_features, kernel.in_features))
 
 
 def mark_lm_heads(model: nn.Module) -> None:

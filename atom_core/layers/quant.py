@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers.embedding import LookupEmbedding
+from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.ops import near_max
 from atom_core.memory import resident
 
@@ -505,7 +505,6 @@ def quantize_model(model: nn.Module, config: Any) -> None:
         return
     linears = quantizable_linears(model)
     experts = quantizable_experts(model)
-    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     if mode == "auto":
         from atom_core.loader import GGUF_BLOCKS_FILE
 
@@ -535,20 +534,17 @@ def quantize_model(model: nn.Module, config: Any) -> None:
                 "atom: %d layers quantized to int8 per output channel, their in_features not a multiple of "
                 "quantization_group_size %d: %s", len(per_channel), group, ", ".join(per_channel[:4]),
             )  # fmt: skip
-    _tie_embeddings(model, embeddings, linears)
+    _tie_embeddings(model)
 
 
-def _tie_embeddings(model: nn.Module, embeddings: dict[str, nn.Module], linears: dict[str, nn.Module]) -> None:
+def _tie_embeddings(model: nn.Module) -> None:
     """Swap an embedding whose weight a quantized Linear shares for a lookup into the quantized weight."""
-    by_weight = {id(m.weight): m for m in linears.values() if getattr(m, "quant", None) is not None}
-    for name, emb in embeddings.items():
-        head = by_weight.get(id(emb.weight))
-        if head is None:
+    for name, head in tied_embeddings(model):
+        if getattr(head, "quant", None) is None:
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        qw = head.quant if emb.weight.device.type == "cpu" else head.quant.map_rows(lambda t: t.to(emb.weight.device))
-        setattr(parent, child, QuantizedEmbedding(qw, emb.weight.dtype))
+        weight = model.get_submodule(name).weight
+        qw = head.quant if weight.device.type == "cpu" else head.quant.map_rows(lambda t: t.to(weight.device))
+        replace_embedding(model, name, QuantizedEmbedding(qw, weight.dtype))
 
 
 _FLOAT_GGUF = ("F32", "F16", "BF16", "F64")
