@@ -8,3 +8,8 @@ def atom_register_attention_builders(registry):
     registry.register("mha", "atom_attention.mha:MHAMetadataBuilder")
     registry.register("mla", "atom_attention.mla:MLAMetadataBuilder")
     registry.register("gdn", "atom_attention.gdn:GDNMetadataBuilder")
+
+
+@hookimpl
+def atom_register_cpp_kernels(registry):
+    registry.register("paged_attention", "atom_attention.cpu_kernels:PAGED_ATTENTION_KERNEL")

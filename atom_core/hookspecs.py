@@ -46,3 +46,11 @@ def atom_register_gguf_architectures(registry):
     `atom_core.gguf_arch.GGUFArchitecture` (its config keys, tensor names, permuted and fused
     tensors), e.g. `registry.register("llama", "my_pkg.llama:GGUF_LLAMA")`. The model plugin
     that runs the architecture is the one that knows how llama.cpp wrote it."""
+
+
+@hookspec
+def atom_register_cpp_kernels(registry):
+    """Register C++ CPU kernels (`atom_core.layers.cpp.CppKernel`) by name, e.g.
+    `registry.register("paged_attention", "my_pkg.kernels:PAGED_ATTENTION")`. Called when
+    `atom env` or `atom kernels` lists or builds them; the kernel itself is built per CPU
+    variant when its plugin first loads it."""

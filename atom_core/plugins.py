@@ -25,6 +25,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "proposers": ("atom_register_proposers", "proposer"),
     "scheduler_policies": ("atom_register_scheduler_policies", "scheduling policy"),
     "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
+    "cpp_kernels": ("atom_register_cpp_kernels", "C++ kernel"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

@@ -10,6 +10,41 @@ except ImportError:
     pass
 
 from atom_core import Config, SamplingParams, Scheduler, Sequence, get_plugin_manager
+from atom_core.cpu_features import cpu_features
+
+# Every kernel variant this host can run, best first: on an AVX-512 host the AVX2 and portable
+# builds are checked too, so either kind of host tests both paths (ATOM_CPU_ISA caps the list).
+KERNEL_VARIANTS = cpu_features().variants
+
+
+def require_kernel(ops):
+    """A C++ kernel module a test needs. A kernel that did not build fails the test, it does not
+    skip it; only ATOM_CPU_KERNELS=0 (the suite's torch-path run) or a host with no compiler skip."""
+    from atom_core.layers.cpp import compiler, kernels_enabled
+
+    if ops is None:
+        if not kernels_enabled():
+            pytest.skip("C++ kernels turned off (ATOM_CPU_KERNELS=0): the torch path runs")
+        if compiler() is None:
+            pytest.skip("no C++ compiler on this host")
+        pytest.fail("the C++ kernel did not build on a host with a compiler (see the log line)")
+    return ops
+
+
+@pytest.fixture(scope="session")
+def _kernels_built():
+    """Builds every declared kernel in every variant up front, one build per core at a time,
+    rather than one by one as tests first ask for them."""
+    from atom_core.layers.cpp import build_all, kernels_enabled
+
+    if kernels_enabled():
+        build_all(KERNEL_VARIANTS)
+
+
+@pytest.fixture(params=KERNEL_VARIANTS)
+def kernel_variant(request, _kernels_built) -> str:
+    """Each variant of the C++ kernels this host can run, in turn."""
+    return request.param
 
 
 def make_seq(n: int | list[int], block_size: int = 16, start: int = 0, **params) -> Sequence:

@@ -9,7 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from atom_core.cpu_features import cpu_features  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
+from conftest import require_kernel  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -70,24 +72,21 @@ def test_disabled_onednn_keeps_plain_weight(monkeypatch):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
-needs_gemv = pytest.mark.skipif(gemv_ops() is None, reason="the C++ kernels did not build (see the warning)")
-
-
-@needs_gemv
 @pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32)])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
-    """Every row count the kernel takes, widths with and without a vector tail, row counts
-    that leave a partial tile (and runs split across threads)."""
-    ops = gemv_ops()
+def test_streaming_gemv_against_float64(wdtype, xdtype, bias, kernel_variant):
+    """Every row count of a decode step and GEMM-sized ones (64, 700: the every-row path of
+    bfloat16 without oneDNN), widths with and without a vector tail, row counts that leave a
+    partial tile (and runs split across threads), in each variant this host runs."""
+    ops = require_kernel(gemv_ops(kernel_variant))
     gen = torch.Generator().manual_seed(1)
-    # (tiles of 32 rows: N of 1, 7, 131, 1000 and 2049 leave a part tile; bfloat16 pads an odd K)
+    # (tiles of 16 or 32 rows: N of 1, 7, 131, 1000 and 2049 leave a part tile; bfloat16 pads an odd K)
     for n, k in [(1, 16), (7, 33), (131, 576), (1000, 47), (2049, 96), (5, 80), (32, 1)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype) if bias else None
-        gemm = StreamingGemm(w, ops)
-        for rows in range(1, int(ops.MAX_ROWS) + 1):
+        gemm = StreamingGemm(w, ops, every_row=True)
+        for rows in [*range(1, int(ops.MAX_ROWS) + 1), 64, 700][: None if n * k < 100_000 else 9]:
             x = torch.randn(rows, k, generator=gen).to(xdtype)
             out = gemm(x, None, b)
             assert out.dtype == xdtype and out.shape == (rows, n)
@@ -97,22 +96,21 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias):
             torch.testing.assert_close(out.double(), expected, **tol)
 
 
-@needs_gemv
 @pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32)])  # fmt: skip
-def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype):
-    """Bit for bit: a row's output does not depend on how many rows share the call, and a
-    column's not on which other columns are computed with it (`StreamingGemm.columns`, which
-    the LM head screen's exact logits come from)."""
-    ops = gemv_ops()
+def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype, kernel_variant):
+    """Bit for bit: a row's output does not depend on how many rows share the call (up to 70:
+    rows in several passes and chunks), and a column's not on which other columns are computed
+    with it (`StreamingGemm.columns`, which the LM head screen's exact logits come from)."""
+    ops = require_kernel(gemv_ops(kernel_variant))
     gen = torch.Generator().manual_seed(2)
     for n, k in [(131, 576), (1000, 47), (70, 120)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype)
-        x = torch.randn(int(ops.MAX_ROWS), k, generator=gen).to(xdtype)
-        gemm = StreamingGemm(w, ops)
+        x = torch.randn(70, k, generator=gen).to(xdtype)
+        gemm = StreamingGemm(w, ops, every_row=True)
         alone = [gemm(x[i : i + 1], None, b) for i in range(len(x))]
-        for rows in range(2, len(x) + 1):
+        for rows in [*range(2, int(ops.MAX_ROWS) + 1), 13, 70]:
             out = gemm(x[:rows], None, b)
             for i in range(rows):
                 assert torch.equal(out[i : i + 1], alone[i]), (rows, i)
@@ -121,12 +119,11 @@ def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype):
         assert torch.equal(gemm.rows(cols), w[cols]) and torch.equal(gemm.rows(), w)
 
 
-@needs_gemv
-def test_streaming_gemv_refuses_what_it_cannot_take():
-    ops = gemv_ops()
-    w = gemv_weight(torch.randn(4, 16))
-    with pytest.raises(RuntimeError, match="1 to 8 rows, got"):
-        ops.gemv(torch.randn(9, 16), w, 4, None)
+def test_streaming_gemv_refuses_what_it_cannot_take(kernel_variant):
+    ops = require_kernel(gemv_ops(kernel_variant))
+    w = gemv_weight(torch.randn(4, 16), int(ops.TILE))
+    with pytest.raises(RuntimeError, match=r"takes x \[M, K\]"):
+        ops.gemv(torch.randn(2, 9, 16), w, 4, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.gemv(torch.randn(1, 16), w.half(), 4, None)
     with pytest.raises(RuntimeError, match="tiled layout"):  # a plain [N, K] weight
@@ -135,13 +132,12 @@ def test_streaming_gemv_refuses_what_it_cannot_take():
         ops.gemv(torch.randn(1, 16), w, 33, None)
 
 
-@needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype):
+def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype, kernel_variant):
     """Rows as `nn.Embedding` gives them (odd K: bfloat16 pads its pairs; N past a tile);
     an id outside the table fails by name instead of reading padding or wrapping around."""
     table = torch.randn(40, 15).to(dtype)
-    gemm = StreamingGemm(table, gemv_ops())
+    gemm = StreamingGemm(table, require_kernel(gemv_ops(kernel_variant)))
     emb = StreamedEmbedding(gemm.tiled, 40, 15)
     ids = torch.tensor([[0, 39, 7], [31, 32, 5]])
     assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, table))
@@ -153,10 +149,12 @@ def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype):
 
 
 @needs_onednn
-@needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
-    """Up to MAX_ROWS rows go to the streaming kernel, more to packed oneDNN; both agree."""
+    """Up to MAX_ROWS rows go to the streaming kernel, more to packed oneDNN; both agree.
+    bfloat16 where oneDNN has no bfloat16 kernels: the streaming kernel at every row count."""
+    require_kernel(gemv_ops())
+    every_row = dtype == torch.bfloat16 and not cpu_features().onednn_bf16
     layer = loaded(Linear(96, 80, bias=True), dtype)
     weight, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.process_weights_after_loading()
@@ -176,4 +174,4 @@ def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
     for rows in (1, 8, 9, 64):
         x = torch.randn(rows, 96).to(dtype)
         torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().T + b.double(), **tol)
-    assert calls == [1, 8]
+    assert calls == ([1, 8, 9, 64] if every_row else [1, 8])

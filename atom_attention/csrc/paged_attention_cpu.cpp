@@ -5,8 +5,10 @@
 // per (request, KV head) walks the request's block table: the scores of the query heads
 // sharing that KV head against the K rows, a float32 softmax, then the weighted sum of
 // the V rows, accumulated in float32 whatever the cache dtype.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,11 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "float_convert.h"  // atom_core/layers/csrc, on the include path load_extension sets
+#include "simd.h"  // atom_core/layers/csrc, on the include path CppKernel sets
 
 namespace {
 
@@ -59,8 +57,8 @@ inline void prefetch_row(const T* row, int64_t dim) {
 // read each K/V row once): scores of `n` K rows against float queries q[hb][dim] into
 // out[h * out_stride + t], and acc[h][dim] += sum_t p[h * p_stride + t] * V row t; each
 // prefetches the same rows of `ahead` (a block read later; null: none).
-// `GenericRows` takes any head_dim; `VecRows<T, D>` (D a multiple of 16) keeps the
-// accumulators in AVX-512 registers and sums four dot products with one shuffle tree (the
+// `GenericRows` takes any head_dim; `VecRows<T, D>` (D a multiple of the vector width) keeps
+// the accumulators in registers and sums four dot products with one shuffle tree (the
 // compiler's own reduction spilled all 16 lanes to the stack and added them one by one).
 template <typename T>
 struct GenericRows {
@@ -93,130 +91,121 @@ struct GenericRows {
   }
 };
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// The four horizontal sums of a, b, c, d.
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
+namespace simd = atom::simd;
+using simd::vf;
+constexpr int L = simd::kLanes;
 
 template <typename T, int D>
 struct VecRows {
-  static constexpr int N = D > 0 ? D / 16 : 1;   // registers per row
-  // Heads per pass: accumulators stay within 32 registers. Wide rows (MLA's 576-value latent,
-  // where every head shares the row) accumulate in slices of kSlice registers, so 4 heads fit.
-  static constexpr int kHeads = N <= 4 || N > 8 ? 4 : 2;
+  static constexpr bool kWide = simd::kRegisters == 32;  // AVX-512's 32 registers, else 16
+  static constexpr int N = D > 0 ? D / L : 1;  // registers per row
+  // Heads per pass: accumulators stay within the registers. scores keeps kHeads x 4 sums;
+  // accumulate keeps whole rows for kHeads heads up to kWhole registers a row, past that
+  // (MLA's 576-value latent, where every head shares the row) slices of kSlice registers
+  // for kSliceHeads heads at a time.
+  static constexpr int kHeads = kWide ? (N <= 4 || N > 8 ? 4 : 2) : 2;
+  static constexpr int kWhole = kWide ? 8 : 2;
   static constexpr int kSlice = 4;
+  static constexpr int kSliceHeads = kWide ? 4 : 2;
   static void scores(const float* q, int hb, const T* rows, int64_t stride, int64_t n, int64_t, float* out,
                      int64_t out_stride, const T* ahead) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
       if (ahead)
         for (int r = 0; r < 4; ++r) prefetch_row(ahead + (t + r) * stride, D);
-      __m512 a[kHeads][4];
+      vf a[kHeads][4];
       for (int h = 0; h < kHeads; ++h)
-        for (int r = 0; r < 4; ++r) a[h][r] = _mm512_setzero_ps();
+        for (int r = 0; r < 4; ++r) a[h][r] = simd::zero();
       for (int i = 0; i < N; ++i) {
-        __m512 x[4];
-        for (int r = 0; r < 4; ++r) x[r] = load16(rows + (t + r) * stride + 16 * i);
+        vf x[4];
+        for (int r = 0; r < 4; ++r) x[r] = simd::load(rows + (t + r) * stride + L * i);
         for (int h = 0; h < kHeads; ++h) {
           if (h >= hb) break;
-          const __m512 qv = _mm512_loadu_ps(q + h * D + 16 * i);
-          for (int r = 0; r < 4; ++r) a[h][r] = _mm512_fmadd_ps(qv, x[r], a[h][r]);
+          const vf qv = simd::load(q + h * D + L * i);
+          for (int r = 0; r < 4; ++r) a[h][r] = simd::fmadd(qv, x[r], a[h][r]);
         }
       }
       for (int h = 0; h < kHeads; ++h) {
         if (h >= hb) break;
-        _mm_storeu_ps(out + h * out_stride + t, hsum4(a[h][0], a[h][1], a[h][2], a[h][3]));
+        simd::hsum4(a[h][0], a[h][1], a[h][2], a[h][3], out + h * out_stride + t);
       }
     }
     for (; t < n; ++t) {
       const T* row = rows + t * stride;
       if (ahead) prefetch_row(ahead + t * stride, D);
       for (int h = 0; h < hb; ++h) {
-        __m512 a = _mm512_setzero_ps();
-        for (int i = 0; i < N; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * i), load16(row + 16 * i), a);
-        out[h * out_stride + t] = _mm512_reduce_add_ps(a);
+        vf a = simd::zero();
+        for (int i = 0; i < N; ++i) a = simd::fmadd(simd::load(q + h * D + L * i), simd::load(row + L * i), a);
+        out[h * out_stride + t] = simd::reduce_add(a);
       }
     }
   }
   static void accumulate(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
                          int64_t dim, float* acc, const T* ahead) {
-    if constexpr (N > 8) {
+    if constexpr (N > kWhole) {
       accumulate_sliced(p, p_stride, hb, rows, stride, n, acc, ahead);
       return;
     }
-    __m512 av[kHeads][N];
+    vf av[kHeads][N];
     for (int h = 0; h < kHeads; ++h)
-      for (int i = 0; i < N; ++i) av[h][i] = h < hb ? _mm512_loadu_ps(acc + h * D + 16 * i) : _mm512_setzero_ps();
+      for (int i = 0; i < N; ++i) av[h][i] = h < hb ? simd::load(acc + h * D + L * i) : simd::zero();
     for (int64_t t = 0; t < n; ++t) {
       const T* row = rows + t * stride;
       if (ahead) prefetch_row(ahead + t * stride, D);
-      __m512 x[N];
-      for (int i = 0; i < N; ++i) x[i] = load16(row + 16 * i);
+      vf x[N];
+      for (int i = 0; i < N; ++i) x[i] = simd::load(row + L * i);
       for (int h = 0; h < kHeads; ++h) {
         if (h >= hb) break;
-        const __m512 w = _mm512_set1_ps(p[h * p_stride + t]);
-        for (int i = 0; i < N; ++i) av[h][i] = _mm512_fmadd_ps(w, x[i], av[h][i]);
+        const vf w = simd::set1(p[h * p_stride + t]);
+        for (int i = 0; i < N; ++i) av[h][i] = simd::fmadd(w, x[i], av[h][i]);
       }
     }
     for (int h = 0; h < kHeads; ++h) {
       if (h >= hb) break;
-      for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + h * D + 16 * i, av[h][i]);
+      for (int i = 0; i < N; ++i) simd::store(acc + h * D + L * i, av[h][i]);
     }
   }
   static void accumulate_sliced(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride, int64_t n,
                                 float* acc, const T* ahead);
 };
-// VecRows::accumulate for wide rows: per slice of kSlice registers, kHeads heads' accumulators
-// stay in registers over the block's rows and each row slice is loaded once for all of them.
+// VecRows::accumulate for wide rows: per slice of kSlice registers, kSliceHeads heads'
+// accumulators stay in registers over the block's rows and each row slice is loaded once for them.
 template <typename T, int D>
 void VecRows<T, D>::accumulate_sliced(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride,
                                       int64_t n, float* acc, const T* ahead) {
+  constexpr int H = kSliceHeads;
   if (ahead)
     for (int64_t t = 0; t < n; ++t) prefetch_row(ahead + t * stride, D);
-  for (int c = 0; c < N; c += kSlice) {
-    const int m = std::min(kSlice, N - c);
-    __m512 av[kHeads][kSlice];
-    for (int h = 0; h < kHeads; ++h)
-      for (int i = 0; i < kSlice; ++i)
-        av[h][i] = h < hb && i < m ? _mm512_loadu_ps(acc + h * D + 16 * (c + i)) : _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const T* row = rows + t * stride + 16 * c;
-      __m512 x[kSlice];
-      for (int i = 0; i < kSlice; ++i) x[i] = i < m ? load16(row + 16 * i) : _mm512_setzero_ps();
-      for (int h = 0; h < kHeads; ++h) {
-        if (h >= hb) break;
-        const __m512 w = _mm512_set1_ps(p[h * p_stride + t]);
-        for (int i = 0; i < kSlice; ++i) av[h][i] = _mm512_fmadd_ps(w, x[i], av[h][i]);
+  for (int g = 0; g < hb; g += H) {
+    const int heads = std::min(H, hb - g);
+    for (int c = 0; c < N; c += kSlice) {
+      const int m = std::min(kSlice, N - c);
+      vf av[H][kSlice];
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < kSlice; ++i)
+          av[h][i] = h < heads && i < m ? simd::load(acc + (g + h) * D + L * (c + i)) : simd::zero();
+      for (int64_t t = 0; t < n; ++t) {
+        const T* row = rows + t * stride + L * c;
+        vf x[kSlice];
+        for (int i = 0; i < kSlice; ++i) x[i] = i < m ? simd::load(row + L * i) : simd::zero();
+        for (int h = 0; h < H; ++h) {
+          if (h >= heads) break;
+          const vf w = simd::set1(p[(g + h) * p_stride + t]);
+          for (int i = 0; i < kSlice; ++i) av[h][i] = simd::fmadd(w, x[i], av[h][i]);
+        }
       }
-    }
-    for (int h = 0; h < kHeads; ++h) {
-      if (h >= hb) break;
-      for (int i = 0; i < m; ++i) _mm512_storeu_ps(acc + h * D + 16 * (c + i), av[h][i]);
+      for (int h = 0; h < H; ++h) {
+        if (h >= heads) break;
+        for (int i = 0; i < m; ++i) simd::store(acc + (g + h) * D + L * (c + i), av[h][i]);
+      }
     }
   }
 }
 
 template <typename T, int D>
-constexpr bool kVectorized = D > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+constexpr bool kVectorized = D > 0 && D % L == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
 template <typename T, int D>
 using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>>;
-#else
-template <typename T, int D>
-using Rows = GenericRows<T>;
-#endif
 
 // q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens

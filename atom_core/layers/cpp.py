@@ -1,57 +1,196 @@
-"""Build-on-first-use C++ extensions for the CPU kernels (`torch.utils.cpp_extension`).
+"""C++ CPU kernels, built per instruction-set variant and loaded for the one this CPU runs.
 
-Each is compiled once with the machine's C++ compiler, for the CPU it runs on
-(-march=native), into torch's extension cache (TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions), and reloaded from there afterwards. Without a compiler, or
-with ATOM_CPU_KERNELS=0, `load_extension` returns None and callers keep their torch path.
+A `CppKernel` is a C++ source compiled with `torch.utils.cpp_extension` once per variant
+(`atom_core.cpu_features.VARIANTS`: explicit target flags, never -march=native), into
+torch's extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
+`load()` gives the build for this CPU's best variant (`ATOM_CPU_ISA` caps it); tests ask
+for each variant the CPU can run. The source sees `ATOM_VARIANT` and `ATOM_OPS_NS` (a
+torch-op namespace unique to the kernel and variant, so two variants live in one process).
+
+Where a build fails, one log line names the kernel, the variant and the compiler's first
+error, and the full output goes to a file in the build folder; the failure is remembered
+there and not retried until the sources, flags, torch or compiler change. Callers then
+keep their torch path. `ATOM_CPU_KERNELS=0` turns every kernel off.
+
+Kernels are declared to the plugin manager (`atom_register_cpp_kernels`), so `atom env`
+and `atom kernels` find a plugin's kernels as well as the core's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
-import platform
+import re
+import shutil
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from atom_core.cpu_features import VARIANT_NAMES, cpu_features, variant
+
 logger = logging.getLogger(__name__)
 
-# Headers every kernel may include (float_convert.h), wherever its own source lives.
+# Headers every kernel may include (float_convert.h, simd.h), wherever its own source lives.
 INCLUDE_DIR = Path(__file__).parent / "csrc"
+# no fused multiply-add contraction (float32 results round as torch's do); no FP exception or
+# errno semantics, which keep floor and sqrt from vectorising
+COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi")
+FAILED_FILE = "atom-build-failed.json"
+LOG_FILE = "atom-build.log"
 
 
-def cpu_tag() -> str:
-    """Names the instruction set a -march=native build targets, so a cache shared between
-    different CPUs (a network home folder) never loads a build for the wrong one."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+def kernels_enabled() -> bool:
+    return os.environ.get("ATOM_CPU_KERNELS", "1") != "0"
 
 
-def load_extension(name: str, source: Path) -> ModuleType | None:
-    if os.environ.get("ATOM_CPU_KERNELS", "1") == "0":
-        return None
-    try:
+def compiler() -> str | None:
+    """The C++ compiler torch's builder runs (CXX, else c++), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+class CppKernel:
+    """One C++ source (and the shared headers), built and loaded per variant on first use."""
+
+    def __init__(self, name: str, source: Path):
+        self.name, self.source = name, source
+        self._modules: dict[str, ModuleType | None] = {}
+        self._why: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CppKernel({self.name!r})"
+
+    def load(self, variant_name: str | None = None) -> ModuleType | None:
+        """The build for `variant_name` (default: this CPU's), or None where kernels are off or it cannot build."""
+        if not kernels_enabled():
+            return None
+        variant_name = variant_name or cpu_features().variant.name
+        with self._lock:
+            if variant_name not in self._modules:
+                self._modules[variant_name] = self._build(variant_name)
+            return self._modules[variant_name]
+
+    def status(self, variant_name: str | None = None) -> str:
+        """What `load` gave: the variant, or why there is none (after `load`)."""
+        variant_name = variant_name or cpu_features().variant.name
+        if not kernels_enabled():
+            return "off (ATOM_CPU_KERNELS=0)"
+        if self._modules.get(variant_name) is not None:
+            return variant_name
+        return f"torch path ({self._why.get(variant_name, 'not loaded yet')})"
+
+    def module_name(self, variant_name: str) -> str:
+        # The checkout's path is in the name too: two checkouts (a clone beside a working tree)
+        # would otherwise rebuild over each other's cache entry on every load.
+        where = hashlib.sha1(str(self.source.resolve().parent).encode()).hexdigest()[:6]
+        return f"{self.name}_{variant_name}_{where}"
+
+    def cflags(self, variant_name: str) -> list[str]:
+        ns = f"{self.name}_{variant_name}"
+        return [*COMMON_CFLAGS, *variant(variant_name).cflags, f"-DATOM_VARIANT={variant_name}", f"-DATOM_OPS_NS={ns}"]
+
+    def build_dir(self, variant_name: str) -> Path:
         from torch.utils import cpp_extension
 
-        # The checkout's path is in the name too: two checkouts (a clone beside a working
-        # tree) would otherwise rebuild over each other's cache entry on every load.
-        where = hashlib.sha1(str(source.resolve().parent).encode()).hexdigest()[:6]
-        return cpp_extension.load(
-            name=f"{name}_{cpu_tag()}_{where}",
-            sources=[str(source)],
-            extra_include_paths=[str(INCLUDE_DIR)],
-            # no fused multiply-add contraction (float32 results round as torch's do); no FP
-            # exception or errno semantics, which keep floor and sqrt from vectorising
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-        logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch path", name, e)
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        path = Path(root) / self.module_name(variant_name)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _key(self, variant_name: str, cxx: str) -> str:
+        """What a failed build depended on: sources, headers, flags, torch and the compiler."""
+        import torch
+
+        h = hashlib.sha1()
+        for path in [self.source, *sorted(INCLUDE_DIR.glob("*.h"))]:
+            h.update(path.read_bytes())
+        h.update(" ".join(self.cflags(variant_name)).encode())
+        h.update(torch.__version__.encode())
+        try:
+            h.update(subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return h.hexdigest()
+
+    def _build(self, variant_name: str) -> ModuleType | None:
+        cxx = compiler()
+        if cxx is None:
+            return self._unavailable(variant_name, f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)")
+        build_dir = self.build_dir(variant_name)
+        failed = build_dir / FAILED_FILE
+        if failed.is_file():
+            try:
+                record = json.loads(failed.read_text())
+            except (OSError, ValueError):
+                record = {}
+            if record.get("key") == self._key(variant_name, cxx):
+                return self._unavailable(variant_name, f"{record.get('reason')} (an earlier build; see {build_dir / LOG_FILE})")
+            failed.unlink(missing_ok=True)  # something it depended on changed: try again
+        try:
+            from torch.utils import cpp_extension
+
+            module = cpp_extension.load(
+                name=self.module_name(variant_name),
+                sources=[str(self.source)],
+                extra_include_paths=[str(INCLUDE_DIR)],
+                extra_cflags=self.cflags(variant_name),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as e:  # a build error, no ninja, a load error: the torch path still works
+            text = str(e)
+            (build_dir / LOG_FILE).write_text(text)
+            reason = _first_error(text)
+            failed.write_text(json.dumps({"key": self._key(variant_name, cxx), "reason": reason}))
+            return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")
+        self._why.pop(variant_name, None)
+        return module
+
+    def _unavailable(self, variant_name: str, why: str) -> None:
+        self._why[variant_name] = why
+        logger.warning("atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why)
         return None
+
+
+def _first_error(text: str) -> str:
+    for line in text.splitlines():
+        if re.search(r"\berror\b", line) and "Error building extension" not in line:
+            return line.strip()[:300]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "unknown error"
+
+
+def compiled_op(ops: ModuleType, name: str):
+    """The torch op a traced graph calls for `ops.<name>`: a kernel that registers torch ops
+    does so under its build's namespace (`ops.OPS_NAMESPACE`), one per variant."""
+    import torch
+
+    return getattr(getattr(torch.ops, ops.OPS_NAMESPACE), name)
+
+
+def declared_kernels() -> dict[str, CppKernel]:
+    """Every kernel the installed plugins declare (`atom_register_cpp_kernels`), by name."""
+    from atom_core.plugins import get_registry
+
+    registry = get_registry("cpp_kernels")
+    return {name: registry.get(name) for name in registry.names()}
+
+
+def build_all(variants: Sequence[str | None] = (None,), kernels: list[CppKernel] | None = None) -> dict[str, dict[str, str]]:
+    """Build (or load from the cache) every declared kernel in each of `variants` (None: this
+    CPU's), one build per core at a time; returns each variant's kernels' status."""
+    kernels = list(declared_kernels().values()) if kernels is None else kernels
+    variants = [v or cpu_features().variant.name for v in variants]
+    jobs = [(k, v) for v in variants for k in kernels]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda job: job[0].load(job[1]), jobs))
+    return {v: {k.name: k.status(v) for k in kernels} for v in variants}
+
+
+__all__ = ["CppKernel", "VARIANT_NAMES", "build_all", "compiled_op", "compiler", "declared_kernels", "kernels_enabled"]

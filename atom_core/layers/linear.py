@@ -1,7 +1,9 @@
 """Linear layers whose GEMM is picked once the weights are loaded (vLLM's `process_weights_after_loading`).
 
-On CPU, float32 and bfloat16 weights are repacked once into oneDNN's blocked layout and
-multiplied by oneDNN. torch's float32 `F.linear` runs through MKL, which on the AMD EPYC
+On CPU, float32 weights (and bfloat16 ones where oneDNN has bfloat16 kernels: AVX-512 or
+AVX-NE-CONVERT) are repacked once into oneDNN's blocked layout and multiplied by oneDNN.
+Without those, bfloat16 weights stay bfloat16, in the streaming kernel's tiled layout, and
+that kernel serves every row count. torch's float32 `F.linear` runs through MKL, which on the AMD EPYC
 machines we measure is 1.2-1.4x slower than packed oneDNN on the model's layer shapes
 and 2x on the vocab-sized LM head; for bfloat16 the packed weight is 1.2x faster than
 `F.linear` at 64 rows and 1.7x at one row (figures in README). The packed copy replaces
@@ -12,7 +14,7 @@ the plain weight (a tied embedding then reads the streaming kernel's copy). Othe
 At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
 under the memory's pace; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
 or near the machine's copy bandwidth (`benchmarks/gemv_bandwidth.py`, README's Kernels),
-from its own copy of the weight in tiles of 32 rows (`gemv_weight`), placed in huge pages
+from its own copy of the weight in tiles of two vectors' rows (`gemv_weight`), placed in huge pages
 (`memory.weight_arena`) and kept beside the packed one: float weights take twice their
 size in memory on CPU (ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every
 row count). An embedding tied to a streamed head reads its rows from the tiled copy
@@ -21,8 +23,8 @@ row count). An embedding tied to a streamed head reads its rows from the tiled c
 
 from __future__ import annotations
 
-import functools
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 from collections.abc import Iterator
@@ -33,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
-from atom_core.layers.cpp import load_extension
+from atom_core.cpu_features import cpu_features
+from atom_core.layers.cpp import CppKernel, compiled_op
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
 from atom_core.memory import resident, weight_arena
@@ -50,62 +53,73 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 PACK_ROWS = 64
 
 
-@functools.cache
-def gemv_ops() -> ModuleType | None:
+GEMV_KERNEL = CppKernel("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
+_faked: set[str] = set()
+
+
+def gemv_ops(variant: str | None = None) -> ModuleType | None:
+    """The streaming GEMM and the 4/8-bit group kernel (`csrc/gemv_cpu.cpp`): this CPU's
+    variant, or `variant`; None where they cannot build or are turned off (ATOM_DISABLE_GEMV)."""
     if os.environ.get("ATOM_DISABLE_GEMV"):
         return None
-    ops = load_extension("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp")
-    if ops is not None:  # the shapes `torch.compile` traces with (the ops themselves are registered in C++)
-        torch.library.register_fake("atom_gemv::gemv")(lambda x, w, n, bias: x.new_empty((x.shape[0], n)))
-        torch.library.register_fake("atom_gemv::qgemm")(lambda x, qw, d, mn, n, bias: x.new_empty((x.shape[0], n)))
+    ops = GEMV_KERNEL.load(variant)
+    if ops is not None and ops.OPS_NAMESPACE not in _faked:  # the shapes `torch.compile` traces with
+        _faked.add(ops.OPS_NAMESPACE)
+        ns = ops.OPS_NAMESPACE
+        torch.library.register_fake(f"{ns}::gemv")(lambda x, w, n, bias: x.new_empty((x.shape[0], n)))
+        torch.library.register_fake(f"{ns}::qgemm")(lambda x, qw, d, mn, n, bias: x.new_empty((x.shape[0], n)))
     return ops
 
 
-# gemv_cpu.cpp's tile of output rows: a tile is one stream, each k's 32 values side by side.
-TILE = 32
-
-
-def gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in the streaming kernel's layout: tiles of 32 output rows (N padded with
-    zero rows), within a tile each k's 32 values together; bfloat16 goes by pairs of k (K
-    padded to even), so a tile is [K / 2, 32, 2]. Why: see gemv_cpu.cpp."""
+def gemv_weight(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """`weight` [N, K] in the streaming kernel's layout: tiles of `tile` output rows (the
+    kernel's `TILE`, two vectors; N padded with zero rows), within a tile each k's values
+    together; bfloat16 goes by pairs of k (K padded to even), so a tile is [K / 2, tile, 2].
+    Why: see gemv_cpu.cpp."""
     n, k = weight.shape
     pairs = weight.dtype == torch.bfloat16
     kp = k + k % 2 if pairs else k
-    if kp != k or n % TILE:
-        weight = F.pad(weight, (0, kp - k, 0, -n % TILE))
-    tiles = weight.shape[0] // TILE
+    if kp != k or n % tile:
+        weight = F.pad(weight, (0, kp - k, 0, -n % tile))
+    tiles = weight.shape[0] // tile
     if pairs:
-        return weight.reshape(tiles, TILE, kp // 2, 2).transpose(1, 2).contiguous()
-    return weight.reshape(tiles, TILE, kp).transpose(1, 2).contiguous()
+        return weight.reshape(tiles, tile, kp // 2, 2).transpose(1, 2).contiguous()
+    return weight.reshape(tiles, tile, kp).transpose(1, 2).contiguous()
 
 
 def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """The rows `rows` [L] of the [N, K] weight `tiled` holds (`gemv_weight`'s layout): [L, K]."""
-    pairs = tiled.dim() == 4
+    pairs, tile = tiled.dim() == 4, tiled.shape[2]
     if pairs:  # bfloat16 pairs as one 32-bit value each: a gather of 4-byte elements
         tiled = tiled.view(torch.int32).squeeze(-1)
-    picked = tiled[rows // TILE, :, rows % TILE]  # [L, K] (bfloat16: [L, K / 2] pairs)
+    picked = tiled[rows // tile, :, rows % tile]  # [L, K] (bfloat16: [L, K / 2] pairs)
     return (picked.view(torch.bfloat16) if pairs else picked)[:, :in_features]
 
 
 class StreamingGemm:
-    """Packed oneDNN, and the weight-streaming kernel on its own tiled copy (`gemv_weight`, in
-    huge pages when loaded in a `weight_arena`) for 1 to `max_rows` rows."""
+    """The weight-streaming kernel on its own tiled copy (`gemv_weight`, in huge pages when
+    loaded in a `weight_arena`): for 1 to `max_rows` rows beside packed oneDNN, or for every
+    row count (`every_row`) where oneDNN has no kernel for the dtype (bfloat16 without
+    AVX-512), the tiled copy then the only one."""
 
-    def __init__(self, weight: torch.Tensor, ops: ModuleType):
+    def __init__(self, weight: torch.Tensor, ops: ModuleType, every_row: bool = False):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.tiled: torch.Tensor | None = resident(gemv_weight(weight.detach()))
-        self.ops, self.max_rows = ops, int(ops.MAX_ROWS)
+        self.tiled: torch.Tensor | None = resident(gemv_weight(weight.detach(), int(ops.TILE)))
+        self.ops, self.every_row = ops, every_row
+        self.max_rows = sys.maxsize if every_row else int(ops.MAX_ROWS)
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.every_row and x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1]), packed, bias).reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and 0 < x.shape[0] <= self.max_rows:
             if x.shape[1] != self.in_features:  # the kernel sees K only through the padded tiles
                 raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
             if torch.compiler.is_compiling():
-                return torch.ops.atom_gemv.gemv(x, self.tiled, self.out_features, bias)
+                return compiled_op(self.ops, "gemv")(x, self.tiled, self.out_features, bias)
             return self.ops.gemv(x, self.tiled, self.out_features, bias)
+        if self.every_row:  # no rows
+            return x.new_empty((0, self.out_features))
         return _onednn_linear(x, packed, bias)
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,15 +131,18 @@ class StreamingGemm:
     def columns(self, x: torch.Tensor, cols: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The outputs `cols` alone for 1 to `max_rows` rows of x, each equal bit for bit to that
         column of the whole product (the kernel sums each output alike in any subset)."""
-        return self.ops.gemv(x, gemv_weight(self.rows(cols)), len(cols), None if bias is None else bias[cols])
+        tiled = gemv_weight(self.rows(cols), int(self.ops.TILE))
+        return self.ops.gemv(x, tiled, len(cols), None if bias is None else bias[cols])
 
     def make_batch_invariant(self) -> None:
-        """oneDNN at every row count; the tiled copy goes (a tied embedding keeps its reference)."""
-        self.max_rows, self.tiled = 0, None
+        """One kernel at every row count: oneDNN, the tiled copy dropped (a tied embedding keeps
+        its reference); a kernel that serves every row count already is."""
+        if not self.every_row:
+            self.max_rows, self.tiled = 0, None
 
     @property
     def batch_invariant(self) -> bool:
-        return self.max_rows == 0
+        return self.every_row or self.max_rows == 0
 
 
 class StreamedEmbedding(LookupEmbedding):
@@ -140,24 +157,28 @@ class StreamedEmbedding(LookupEmbedding):
         return gemv_rows(self.tiled, ids, self.embedding_dim)
 
 
-def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, torch.Tensor]:
+def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
 
-    Packed oneDNN for float32 and bfloat16 on CPU (off with ATOM_DISABLE_ONEDNN=1), with
-    the streaming kernel for decode-sized row counts unless `streaming` is False (MoE
-    experts, whose rows per expert vary and whose plain copies would double the biggest
-    weights); `F.linear` on the plain weight elsewhere.
+    On CPU, packed oneDNN for float32, and for bfloat16 where oneDNN has bfloat16 kernels
+    (`cpu_features().onednn_bf16`; off with ATOM_DISABLE_ONEDNN=1), with the streaming
+    kernel for decode-sized row counts unless `streaming` is False (MoE experts, whose rows
+    per expert vary and whose plain copies would double the biggest weights). bfloat16
+    without oneDNN's kernels (CPUs without AVX-512) keeps its weights in bfloat16 and runs
+    the streaming kernel at every row count, widening them as it goes. `F.linear` on the
+    plain weight elsewhere.
     """
-    if (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and not os.environ.get("ATOM_DISABLE_ONEDNN")
-    ):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return F.linear, weight
+    onednn = torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
+    if onednn and (weight.dtype == torch.float32 or cpu_features().onednn_bf16):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         ops = gemv_ops() if streaming else None
         return (_onednn_linear if ops is None else StreamingGemm(weight, ops)), packed
+    if onednn and (ops := gemv_ops()) is not None:  # bfloat16 where oneDNN has no kernel for it
+        gemm = StreamingGemm(weight, ops, every_row=True)
+        return gemm, gemm.tiled
     return F.linear, weight
 
 

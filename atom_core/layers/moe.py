@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers.cpp import load_extension
+from atom_core.layers.cpp import CppKernel
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quant import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
@@ -44,9 +44,11 @@ QWEN_EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"} 
 MIXTRAL_EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-@functools.cache
-def moe_ops() -> ModuleType | None:
-    return load_extension("atom_moe_ops", Path(__file__).parent / "csrc" / "moe_cpu.cpp")
+MOE_KERNEL = CppKernel("atom_moe_ops", Path(__file__).parent / "csrc" / "moe_cpu.cpp")
+
+
+def moe_ops(variant: str | None = None) -> ModuleType | None:
+    return MOE_KERNEL.load(variant)
 
 
 class ExpertNameMapper:

@@ -14,15 +14,14 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from atom_core.layers.cpp import load_extension
+from atom_core.layers.cpp import CppKernel
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CPU_OPS_KERNEL = CppKernel("atom_cpu_ops", Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: elements below which torch's elementwise ops use one thread
 
 
-@functools.cache
-def cpu_ops() -> ModuleType | None:
-    return load_extension("atom_cpu_ops", SOURCE)
+def cpu_ops(variant: str | None = None) -> ModuleType | None:
+    return CPU_OPS_KERNEL.load(variant)
 
 
 def _native(x: torch.Tensor) -> ModuleType | None:

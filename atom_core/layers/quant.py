@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.layers.cpp import compiled_op
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.ops import near_max
 from atom_core.memory import resident
@@ -319,7 +320,7 @@ class StreamingGroupGemm:
     def qgemm(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The kernel on 2-D rows; as the torch op while `torch.compile` traces (pybind calls break its graph)."""
         if torch.compiler.is_compiling():
-            return torch.ops.atom_gemv.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
+            return compiled_op(self.ops, "qgemm")(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
         return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
 
 

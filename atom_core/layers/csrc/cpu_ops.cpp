@@ -7,8 +7,10 @@
 // the norm (vLLM's fused_add_rms_norm). silu_and_mul serves decode-sized row counts, where
 // torch's three ops cost more in dispatch than in arithmetic; it calls the exp torch's silu
 // calls for each element, so it equals F.silu(gate) * up bit for bit.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,11 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include "float_convert.h"
+#include "simd.h"
 
 namespace {
 
@@ -213,25 +211,26 @@ at::Tensor rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 // maximum (and whether it holds a NaN), then where that value first appears.
 namespace {
 
+namespace simd = atom::simd;
+constexpr int64_t L = simd::kLanes;
+
 // A row's maximum (-inf for an empty row) and whether it holds a NaN.
 template <typename T>
 float row_max(const T* x, int64_t n, bool& nan) {
   int64_t i = 0;
   float best = -INFINITY;
   nan = false;
-#ifdef __AVX512F__
   if constexpr (std::is_same_v<T, float>) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    __mmask16 unordered = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      m = _mm512_max_ps(m, v);
+    simd::vf m = simd::set1(-INFINITY);
+    uint32_t unordered = 0;
+    for (; i + L <= n; i += L) {
+      const simd::vf v = simd::load(x + i);
+      unordered |= simd::mask_nan(v);
+      m = simd::max(m, v);
     }
-    best = _mm512_reduce_max_ps(m);
+    best = simd::reduce_max(m);
     nan = unordered != 0;
   }
-#endif
   for (; i < n; ++i) {
     const float v = atom::to_float(x[i]);
     nan |= v != v;
@@ -249,15 +248,13 @@ int64_t argmax_row(const T* x, int64_t n) {
     while (atom::to_float(x[i]) == atom::to_float(x[i])) ++i;
     return i;
   }
-#ifdef __AVX512F__
   if constexpr (std::is_same_v<T, float>) {
-    const __m512 target = _mm512_set1_ps(best);
-    for (; i + 16 <= n; i += 16) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+    const simd::vf target = simd::set1(best);
+    for (; i + L <= n; i += L) {
+      const uint32_t hit = simd::mask_eq(simd::load(x + i), target);
       if (hit) return i + __builtin_ctz(hit);
     }
   }
-#endif
   for (; i < n; ++i)
     if (atom::to_float(x[i]) == best) return i;
   return 0;  // an empty row (n == 0) is refused before this
@@ -301,15 +298,13 @@ std::tuple<at::Tensor, at::Tensor> near_max_rows(const at::Tensor& x, const at::
     const float err = e * ((b[r] + std::fabs(top)) + 1.0f);
     const float threshold = top - 2.0f * err;
     int64_t i = 0;
-#ifdef __AVX512F__
-    const __m512 t = _mm512_set1_ps(threshold);
-    for (; i + 16 <= n; i += 16) {
-      for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), t, _CMP_GE_OQ); hit; hit &= hit - 1) {
+    const simd::vf t = simd::set1(threshold);
+    for (; i + L <= n; i += L) {
+      for (uint32_t hit = simd::mask_ge(simd::load(row + i), t); hit; hit &= hit - 1) {
         hit_rows.push_back(r);
         hit_cols.push_back(i + __builtin_ctz(hit));
       }
     }
-#endif
     for (; i < n; ++i)
       if (row[i] >= threshold) {
         hit_rows.push_back(r);

@@ -3,7 +3,8 @@
 // rounding, branch-free so the loops using them vectorise; and the exp torch's kernels use.
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 

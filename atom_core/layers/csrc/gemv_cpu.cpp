@@ -23,17 +23,21 @@
 // in any subset of the weight's rows (the LM head screen's exact recomputation relies on
 // it). Each output rounds once to the activation dtype. The weights themselves sit in 2 MiB
 // pages (`memory.weight_arena`).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include "float_convert.h"
+#include "simd.h"
 
 // The loops over a tile's rows (M, MB: compile-time constants) unroll fully, so that their
 // accumulators live in registers: left to itself GCC 12 kept those of small tiles in stack
@@ -44,65 +48,59 @@ namespace {
 
 using atom::from_float;
 using atom::to_float;
+namespace simd = atom::simd;
+using simd::vf;
 
-// 16 values (activations) widened to float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-constexpr int64_t TILE = 32;  // output rows per tile: two vectors
+constexpr int64_t L = simd::kLanes;
+constexpr int64_t TILE = 2 * L;  // output rows per tile: two vectors
+// Rows of x per pass over a tile: their 2 * ROWS accumulators and the tile's vectors fit in
+// the registers (AVX-512: 32, AVX2: 16); more rows take another pass, from cache.
+constexpr int ROWS = simd::kRegisters == 32 ? 8 : 4;
+// Rows of x per chunk in a GEMM (many rows): a chunk of x stays in L2 while a thread's run
+// of tiles passes under it.
+constexpr int64_t CHUNK_ROWS = 64;
 // How far ahead in a tile's stream each line is prefetched: 8 KiB read 2-6% faster than 4
 // at 6-8 rows (in fast spells) and level at 1-2.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 inline void prefetch_step(const void* p) {
   const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
-  _mm_prefetch(c, _MM_HINT_NTA);
-  _mm_prefetch(c + 64, _MM_HINT_NTA);
+  for (int64_t off = 0; off < TILE * 4; off += 64) simd::prefetch_stream(c + off);
 }
 
 // One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
-// outputs 16 h .. 16 h + 15 of row m.
+// outputs L h .. L h + L - 1 of row m.
 template <int M>
-inline void tile_f32(const float* x, int64_t K, const float* w, __m512 (&acc)[2][M]) {
+inline void tile_f32(const float* x, int64_t K, const float* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * TILE;
     prefetch_step(wk);
-    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const vf w0 = simd::load(wk), w1 = simd::load(wk + L);
     UNROLL for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      acc[0][m] = _mm512_fmadd_ps(w0, xv, acc[0][m]);
-      acc[1][m] = _mm512_fmadd_ps(w1, xv, acc[1][m]);
+      const vf xv = simd::set1(x[m * K + k]);
+      acc[0][m] = simd::fmadd(w0, xv, acc[0][m]);
+      acc[1][m] = simd::fmadd(w1, xv, acc[1][m]);
     }
   }
 }
 
 // bfloat16 weights (lane c of a pair's vector: row c's values at k and k + 1, low half first)
-// against float32 activations: both values widened exactly, two fused multiply-adds.
-template <int M>
-inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, __m512 (&acc)[2][M]) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+// against float32 or bfloat16 activations: both values widened exactly, two fused multiply-adds.
+template <int M, typename X>
+inline void tile_bf16_widened(const X* x, int64_t K, const c10::BFloat16* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* wk = w + k * TILE;
     prefetch_step(wk);
-    __m512 even[2], odd[2];
-    UNROLL for (int h = 0; h < 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(wk + 32 * h);
-      even[h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      odd[h] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-    }
+    vf even[2], odd[2];
+    UNROLL for (int h = 0; h < 2; ++h) simd::load_pairs(wk + 2 * L * h, even[h], odd[h]);
     UNROLL for (int m = 0; m < M; ++m) {
-      const __m512 x0 = _mm512_set1_ps(x[m * K + k]), x1 = _mm512_set1_ps(x[m * K + k + 1]);
-      UNROLL for (int h = 0; h < 2; ++h) acc[h][m] = _mm512_fmadd_ps(odd[h], x1, _mm512_fmadd_ps(even[h], x0, acc[h][m]));
+      const vf x0 = simd::set1(to_float(x[m * K + k])), x1 = simd::set1(to_float(x[m * K + k + 1]));
+      UNROLL for (int h = 0; h < 2; ++h) acc[h][m] = simd::fmadd(odd[h], x1, simd::fmadd(even[h], x0, acc[h][m]));
     }
   }
 }
 
+#if defined(__AVX512BF16__)
 // bfloat16 weights and activations: one vdpbf16ps per pair (x's pair broadcast as 32 bits).
 template <int M>
 inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, __m512 (&acc)[2][M]) {
@@ -119,60 +117,73 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
     }
   }
 }
-
-// Tiles [begin, end) for all M rows of x, written to y (dtype T, N columns).
-template <typename W, typename X, typename T, int M>
-void run_tiles(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    __m512 acc[2][M];
-    UNROLL for (int h = 0; h < 2; ++h)
-      UNROLL for (int m = 0; m < M; ++m) acc[h][m] = _mm512_setzero_ps();
-    const W* wt = w + t * TILE * K;
-    if constexpr (std::is_same_v<W, float>) tile_f32<M>(x, K, wt, acc);
-    else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
-    else tile_bf16<M>(x, K, wt, acc);
-    const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
-    UNROLL for (int m = 0; m < M; ++m) {
-      alignas(64) float out[TILE];
-      _mm512_store_ps(out, acc[0][m]);
-      _mm512_store_ps(out + 16, acc[1][m]);
-      T* row = y + m * N + n0;
-      for (int64_t c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
-    }
-  }
+#else
+template <int M>
+inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, vf (&acc)[2][M]) {
+  tile_bf16_widened<M>(x, K, w, acc);
 }
+#endif
 
+// Tile t for rows [0, M) of x (already offset to the block's first row), written to y.
 template <typename W, typename X, typename T, int M>
-void gemv_impl(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
-  // Whole runs of tiles per thread (each a long sequential stream), at least two each.
-  at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
-    run_tiles<W, X, T, M>(x, K, w, N, bias, y, begin, end);
-  });
+inline void one_tile(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t t) {
+  vf acc[2][M];
+  UNROLL for (int h = 0; h < 2; ++h)
+    UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
+  const W* wt = w + t * TILE * K;
+  if constexpr (std::is_same_v<W, float>) tile_f32<M>(x, K, wt, acc);
+  else if constexpr (std::is_same_v<X, float>) tile_bf16_widened<M>(x, K, wt, acc);
+  else tile_bf16<M>(x, K, wt, acc);
+  const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
+  UNROLL for (int m = 0; m < M; ++m) {
+    alignas(64) float out[TILE];
+    simd::store(out, acc[0][m]);
+    simd::store(out + L, acc[1][m]);
+    T* row = y + m * N + n0;
+    for (int64_t c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+  }
 }
 
 template <typename W, typename X, typename T>
-void dispatch_m(int64_t M, const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
-  switch (M) {
-    case 1: return gemv_impl<W, X, T, 1>(x, K, w, N, bias, y);
-    case 2: return gemv_impl<W, X, T, 2>(x, K, w, N, bias, y);
-    case 3: return gemv_impl<W, X, T, 3>(x, K, w, N, bias, y);
-    case 4: return gemv_impl<W, X, T, 4>(x, K, w, N, bias, y);
-    case 5: return gemv_impl<W, X, T, 5>(x, K, w, N, bias, y);
-    case 6: return gemv_impl<W, X, T, 6>(x, K, w, N, bias, y);
-    case 7: return gemv_impl<W, X, T, 7>(x, K, w, N, bias, y);
-    case 8: return gemv_impl<W, X, T, 8>(x, K, w, N, bias, y);
+void rows_tile(int rows, const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t t) {
+  switch (rows) {
+    case 1: return one_tile<W, X, T, 1>(x, K, w, N, bias, y, t);
+    case 2: return one_tile<W, X, T, 2>(x, K, w, N, bias, y, t);
+    case 3: return one_tile<W, X, T, 3>(x, K, w, N, bias, y, t);
+    case 4: return one_tile<W, X, T, 4>(x, K, w, N, bias, y, t);
+#if defined(__AVX512F__)
+    case 5: return one_tile<W, X, T, 5>(x, K, w, N, bias, y, t);
+    case 6: return one_tile<W, X, T, 6>(x, K, w, N, bias, y, t);
+    case 7: return one_tile<W, X, T, 7>(x, K, w, N, bias, y, t);
+    case 8: return one_tile<W, X, T, 8>(x, K, w, N, bias, y, t);
+#endif
   }
+}
+
+// Every row of x against every tile. Each thread takes a contiguous run of tiles (a long
+// sequential stream), at least two; within it, chunks of rows, and within a chunk each tile
+// in passes of up to ROWS rows (the first pass reads the tile from memory, the others from cache).
+template <typename W, typename X, typename T>
+void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
+  at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
+      const int64_t c1 = std::min(M, c0 + CHUNK_ROWS);
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
+          rows_tile<W, X, T>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K, w, N, bias, y + m0 * N, t);
+    }
+  });
 }
 
 }  // namespace
 
 constexpr int64_t MAX_ROWS = 8;
 
-// w in the tiled layout: float32 [ceil(N / 32), K, 32], bfloat16 [ceil(N / 32), ceil(K / 2), 32, 2].
+// y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 [ceil(N / TILE), K,
+// TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv takes x [M, K] with 1 to ", MAX_ROWS,
-              " rows, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2, "gemv takes x [M, K], got ", x.sizes());
   TORCH_CHECK(w.is_contiguous(), "gemv weight must be contiguous");
   const auto wt = w.scalar_type(), xt = x.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "gemv weights are float32 or bfloat16, not ", wt);
@@ -182,8 +193,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
   const int64_t Kp = pairs ? K + K % 2 : K;
   TORCH_CHECK(N >= 1 && (pairs ? w.dim() == 4 && w.size(1) == Kp / 2 && w.size(2) == TILE && w.size(3) == 2
                                : w.dim() == 3 && w.size(1) == K && w.size(2) == TILE) && w.size(0) == tiles,
-              "gemv weight must be in its tiled layout (linear.gemv_weight) for N = ", N, " and K = ", K, ", got ",
-              w.sizes());
+              "gemv weight must be in its tiled layout (linear.gemv_weight, tiles of ", TILE, ") for N = ", N,
+              " and K = ", K, ", got ", w.sizes());
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "gemv bias must have ", N, " values");
@@ -191,21 +202,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
   }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
   // x padded to the weight's K (a zero after an odd K: bfloat16 weights go in pairs)
   auto padded = [&](const at::Tensor& t) { return Kp == K ? t.contiguous() : at::constant_pad_nd(t, {0, Kp - K}); };
   if (wt == at::kBFloat16 && xt == at::kBFloat16) {
     const at::Tensor xc = padded(x);
-    dispatch_m(M, xc.data_ptr<c10::BFloat16>(), Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
+    gemm_impl(xc.data_ptr<c10::BFloat16>(), M, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
     return y;
   }
   const at::Tensor xf = padded(x.to(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   if (wt == at::kFloat) {
     const float* wp = w.data_ptr<float>();
-    if (xt == at::kFloat) dispatch_m(M, xp, Kp, wp, N, bp, y.data_ptr<float>());
-    else dispatch_m(M, xp, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
+    if (xt == at::kFloat) gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<float>());
+    else gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
   } else {
-    dispatch_m(M, xp, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<float>());  // float32 activations
+    gemm_impl(xp, M, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<float>());  // float32 activations
   }
   return y;
 }
@@ -234,14 +246,50 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
 // go group by group): the kernel is batch-invariant, which is what speculative decoding's
 // verify step needs.
 
-constexpr int64_t QROWS = 8;  // rows of x each unpacked weight vector serves
+namespace {
+
 constexpr int64_t PREFETCH_GROUPS = 32;  // how far ahead in a tile's stream (8 KiB at 4 bits)
+constexpr int QCOLS = 16;  // output columns per tile: the layout, whatever the vector width
 
 // x as int16 per group of 32, with dx and the float32 sum of each group.
 struct Q16Rows {
   std::vector<int16_t> q;  // [M][K]
   std::vector<float> scale, sum;  // [M][K / 32]
 };
+
+// One group of 32 values: q = round(x / dx) (to nearest even, as the vector conversions),
+// dx = max|x| / 32767, and the group's sum.
+template <typename T>
+inline void quantize_group(const T* x, int16_t* q, float& scale, float& sum) {
+  using simd::vf;
+  constexpr int V = 32 / L;  // vectors per group
+  vf v[V];
+  vf amax = simd::zero(), total = simd::zero();
+  UNROLL for (int i = 0; i < V; ++i) {
+    v[i] = simd::load(x + i * L);
+    amax = simd::max(amax, simd::abs(v[i]));
+    total = simd::add(total, v[i]);
+  }
+  const float top = simd::reduce_max(amax);
+  const float inv = top > 0.f ? 32767.f / top : 0.f;
+#if defined(__AVX512F__)
+  UNROLL for (int i = 0; i < V; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * L),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)))));
+#elif defined(__AVX2__)
+  UNROLL for (int i = 0; i < V; i += 2) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], _mm256_set1_ps(inv)));
+    // packs works within 128-bit halves: put the quarters back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * L),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0)));
+  }
+#else
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int16_t>(std::nearbyint(to_float(x[i]) * inv));
+#endif
+  scale = top / 32767.f;
+  sum = simd::reduce_add(total);
+}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
@@ -251,31 +299,67 @@ void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
   out.sum.resize(groups);
   // Groups are independent: a prefill's worth (512 x 1536 values) is split over the threads.
   at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
-  for (int64_t g = begin; g < end; ++g) {
-    const __m512 a = load16(x + g * 32), b = load16(x + g * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    int16_t* q = out.q.data() + g * 32;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
-    out.scale[g] = amax / 32767.f;
-    out.sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  }
+    for (int64_t g = begin; g < end; ++g) quantize_group(x + g * 32, out.q.data() + g * 32, out.scale[g], out.sum[g]);
   });
 }
 
-// W_4j .. W_4j+3 of a tile-group.
+#if defined(__AVX512F__) || defined(__AVX2__)
+
+// The int32 vectors that hold a tile's 16 columns: one (AVX-512) or two (AVX2), each vector's
+// lane c a column, its int16 pair the column's values at k = 2p, 2p + 1.
+#if defined(__AVX512F__)
+using vi = __m512i;
+constexpr int kColVecs = 1;
+inline vi vi_zero() { return _mm512_setzero_si512(); }
+inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+inline vf vi_to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+// acc + the pairwise products of w and x's int16 pairs: exact integers
+inline vi dot_pairs(vi acc, vi w, vi x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vi and_vi(vi a, int16_t m) { return _mm512_and_si512(a, _mm512_set1_epi16(m)); }
+template <int S>
+inline vi srli16(vi a) { return _mm512_srli_epi16(a, S); }
+#else
+using vi = __m256i;
+constexpr int kColVecs = 2;
+inline vi vi_zero() { return _mm256_setzero_si256(); }
+inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
+inline vf vi_to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vi dot_pairs(vi acc, vi w, vi x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vi and_vi(vi a, int16_t m) { return _mm256_and_si256(a, _mm256_set1_epi16(m)); }
+template <int S>
+inline vi srli16(vi a) { return _mm256_srli_epi16(a, S); }
+#endif
+
+constexpr int QROWS = simd::kRegisters == 32 ? 8 : 4;  // rows of x each unpacked weight vector serves
+// Chains of integer sums a row: exact, so how they are split is free. With vpdpwssd a single
+// row gets four, or its latency (not the weight stream) sets the pace: a 1-row LM head ran
+// slower than a 2-row one.
+template <int MB>
+constexpr int kChains = kColVecs == 1 ? (MB == 1 ? 4 : 2) : (MB == 1 ? 2 : 1);
+
+// W_4j .. W_4j+3 of a tile-group, the columns of vector c.
 template <int BITS>
-inline void load_w(const uint8_t* tg, int j, __m512i (&w)[4]) {
+inline void load_w(const uint8_t* tg, int j, int c, vi (&w)[4]) {
   if constexpr (BITS == 4) {  // int16 lane i: the four vectors' values in its four nibbles
-    const __m512i v = _mm512_loadu_si512(tg + j * 64), mask = _mm512_set1_epi16(0x0F);
-    w[0] = _mm512_and_si512(v, mask);
-    w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), mask);
-    w[3] = _mm512_srli_epi16(v, 12);
+    const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
+    w[0] = and_vi(v, 0x0F);
+    w[1] = and_vi(srli16<4>(v), 0x0F);
+    w[2] = and_vi(srli16<8>(v), 0x0F);
+    w[3] = srli16<12>(v);
   } else {
-    UNROLL for (int h = 0; h < 4; ++h)
-      w[h] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + (4 * j + h) * 32)));
+    UNROLL for (int h = 0; h < 4; ++h) w[h] = widen_u8(tg + (4 * j + h) * 32 + c * (32 / kColVecs));
   }
 }
 
@@ -284,45 +368,42 @@ template <int MB, int BITS, typename T>
 void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
   constexpr int64_t GROUP_BYTES = BITS * 64;  // 16 columns x 32 values
+  constexpr int CH = kChains<MB>;
   const int64_t groups = K / 32;
-  __m512 acc[MB];
-  UNROLL for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  vf acc[MB][kColVecs];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c) acc[m][c] = simd::zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* tg = wt + g * GROUP_BYTES;
     for (int64_t off = 0; off < GROUP_BYTES; off += 64)  // a few groups ahead: the tile is one stream
-      _mm_prefetch(reinterpret_cast<const char*>(tg + PREFETCH_GROUPS * GROUP_BYTES + off), _MM_HINT_NTA);
-    _mm_prefetch(reinterpret_cast<const char*>(dt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(mt + (g + PREFETCH_GROUPS) * 16), _MM_HINT_T1);
-    // Chains of integer sums a row: exact, so how they are split is free. A single row gets
-    // four, or the dpwssd latency (not the weight stream) would set the pace: a 1-row LM
-    // head ran slower than a 2-row one.
-    constexpr int CH = MB == 1 ? 4 : 2;
-    __m512i sums[MB][CH];
-    UNROLL for (int m = 0; m < MB; ++m)
-      UNROLL for (int c = 0; c < CH; ++c) sums[m][c] = _mm512_setzero_si512();
-    UNROLL for (int j = 0; j < 4; ++j) {
-      __m512i w[4];
-      load_w<BITS>(tg, j, w);
-      UNROLL for (int m = 0; m < MB; ++m) {
-        const int32_t* xp = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + m) * K + g * 32) + 4 * j;
-        UNROLL for (int h = 0; h < 4; ++h)
-          sums[m][h % CH] = _mm512_dpwssd_epi32(sums[m][h % CH], w[h], _mm512_set1_epi32(xp[h]));
+      simd::prefetch_stream(tg + PREFETCH_GROUPS * GROUP_BYTES + off);
+    simd::prefetch_l2(dt + (g + PREFETCH_GROUPS) * QCOLS);
+    simd::prefetch_l2(mt + (g + PREFETCH_GROUPS) * QCOLS);
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
+      vi sums[MB][CH];
+      UNROLL for (int m = 0; m < MB; ++m)
+        UNROLL for (int h = 0; h < CH; ++h) sums[m][h] = vi_zero();
+      UNROLL for (int j = 0; j < 4; ++j) {
+        vi w[4];
+        load_w<BITS>(tg, j, c, w);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const int32_t* xp = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + m) * K + g * 32) + 4 * j;
+          UNROLL for (int h = 0; h < 4; ++h) sums[m][h % CH] = dot_pairs(sums[m][h % CH], w[h], vi_set1(xp[h]));
+        }
       }
-    }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + g * 16)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + g * 16)));
-    UNROLL for (int m = 0; m < MB; ++m) {
-      const int64_t xg = (m0 + m) * groups + g;
-      __m512i total = sums[m][0];
-      UNROLL for (int c = 1; c < CH; ++c) total = _mm512_add_epi32(total, sums[m][c]);
-      const __m512 dot = _mm512_cvtepi32_ps(total);
-      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xs.scale[xg])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs.sum[xg]), acc[m]);
+      const vf dv = simd::load(dt + g * QCOLS + c * L), mv = simd::load(mt + g * QCOLS + c * L);
+      UNROLL for (int m = 0; m < MB; ++m) {
+        const int64_t xg = (m0 + m) * groups + g;
+        vi total = sums[m][0];
+        UNROLL for (int h = 1; h < CH; ++h) total = vi_add(total, sums[m][h]);
+        acc[m][c] = simd::fmadd(vi_to_float(total), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
+        acc[m][c] = simd::fmadd(mv, simd::set1(xs.sum[xg]), acc[m][c]);
+      }
     }
   }
   UNROLL for (int m = 0; m < MB; ++m) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[m]);
+    alignas(64) float out[QCOLS];
+    UNROLL for (int c = 0; c < kColVecs; ++c) simd::store(out + c * L, acc[m][c]);
     T* row = y + (m0 + m) * N + n0;
     for (int c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
   }
@@ -335,13 +416,57 @@ void qgemm_block(int MB, const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t
     case 1: return qgemm_tile<1, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     case 2: return qgemm_tile<2, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     case 3: return qgemm_tile<3, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+#if defined(__AVX512F__)
     case 4: return qgemm_tile<4, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     case 5: return qgemm_tile<5, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     case 6: return qgemm_tile<6, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     case 7: return qgemm_tile<7, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
     default: return qgemm_tile<8, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+#else
+    default: return qgemm_tile<4, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+#endif
   }
 }
+
+#else  // portable: the same sums in scalar code
+
+constexpr int QROWS = 1;
+
+// Column col's value at k (0..31) of a tile-group, as the vector code unpacks it.
+template <int BITS>
+inline int32_t weight_at(const uint8_t* tg, int col, int k) {
+  const int p = k / 2, lane = 2 * col + k % 2;  // int16 lane of W_p
+  if constexpr (BITS == 4) {
+    uint16_t v;
+    std::memcpy(&v, tg + (p / 4) * 64 + lane * 2, 2);
+    return (v >> (4 * (p % 4))) & 0x0F;
+  } else {
+    return tg[p * 32 + lane];
+  }
+}
+
+template <int BITS, typename T>
+void qgemm_block(int, const Q16Rows& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
+                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
+  const int64_t groups = K / 32;
+  for (int c = 0; c < cols; ++c) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* tg = wt + g * BITS * 64;
+      const int16_t* xq = xs.q.data() + m * K + g * 32;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += weight_at<BITS>(tg, c, k) * xq[k];
+      const int64_t xg = m * groups + g;
+      acc += static_cast<float>(sum) * (to_float(dt[g * QCOLS + c]) * xs.scale[xg]);
+      acc += to_float(mt[g * QCOLS + c]) * xs.sum[xg];
+    }
+    y[m * N + n0 + c] = from_float<T>(acc + (bias ? bias[n0 + c] : 0.f));
+  }
+}
+
+#endif
+
+}  // namespace
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
                  const c10::optional<at::Tensor>& bias) {
@@ -375,8 +500,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
     const int64_t tile_bytes = groups * B * 64;
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past 8 rows the tile comes from cache
-          qgemm_block<B>(static_cast<int>(std::min(QROWS, M - m0)), xs, m0, K, qp + t * tile_bytes,
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past QROWS rows the tile comes from cache
+          qgemm_block<B>(static_cast<int>(std::min<int64_t>(QROWS, M - m0)), xs, m0, K, qp + t * tile_bytes,
                          dp + t * groups * 16, mp + t * groups * 16, bp, yp, N, t * 16,
                          static_cast<int>(std::min<int64_t>(16, N - t * 16)));
     });
@@ -398,18 +523,21 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   return y;
 }
 
-// Also torch ops, `atom_gemv::gemv` and `atom_gemv::qgemm`, so a traced graph (`atom_core.compile`) can call them.
-TORCH_LIBRARY(atom_gemv, m) {
+// Also torch ops, `<ATOM_OPS_NS>::gemv` and `::qgemm`, so a traced graph (`atom_core.compile`) can call them.
+ATOM_TORCH_LIBRARY(ATOM_OPS_NS, m) {
   m.def("gemv(Tensor x, Tensor w, int N, Tensor? bias) -> Tensor");
   m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(atom_gemv, CPU, m) {
+ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("qgemm", &qgemm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y = x @ w.T (+ bias) for 1 to 8 rows of x, w in tiles of 32 rows (linear.gemv_weight), weight-streaming (CPU)");
+  m.def("gemv", &gemv, "y = x @ w.T (+ bias), w in tiles of TILE rows (linear.gemv_weight), weight-streaming (CPU)");
   m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, any rows of x, batch-invariant (CPU)");
   m.attr("MAX_ROWS") = MAX_ROWS;
+  m.attr("TILE") = TILE;
+  m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);
+  m.attr("VARIANT") = ATOM_STR(ATOM_VARIANT);
 }

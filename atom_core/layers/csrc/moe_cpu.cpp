@@ -19,9 +19,12 @@
 // thread, largest first, handed out dynamically, keeps the threads even when the counts
 // are skewed. Rows go to the micro-kernel in blocks of at most kRowBlock, so the number of
 // kernel shapes it generates and caches stays bounded whatever the counts.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>

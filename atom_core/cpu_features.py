@@ -1,0 +1,155 @@
+"""What the CPU can run, and which build of Atom's C++ kernels it gets.
+
+Each kernel is compiled in variants, one per instruction-set level (`VARIANTS`, best
+first), each with explicit target flags rather than `-march=native`: a build is then right
+on any CPU that has its level, so a build cache shared between hosts stays right, and an
+AVX-512 host can build and test the AVX2 variant too. At run time the best variant whose
+features this CPU has is chosen.
+
+`ATOM_CPU_ISA=avx2` (or `avx512`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
+would on a CPU of that level: the kernel variant, and whether oneDNN's packed bfloat16
+path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
+(`ONEDNN_MAX_CPU_ISA`) and torch's own kernels (`ATEN_CPU_CAPABILITY`) where those are not
+set, as early as `import atom_core`, before torch has chosen. A level above what the CPU
+has is refused. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import attrs
+
+ENV_ISA = "ATOM_CPU_ISA"
+
+
+@attrs.frozen
+class Variant:
+    """One build of every kernel: the CPU features it needs and the compiler flags that target them."""
+
+    name: str
+    requires: frozenset[str]
+    cflags: tuple[str, ...]
+    # what torch calls the level (ATEN_CPU_CAPABILITY) and oneDNN's cap for it (ONEDNN_MAX_CPU_ISA)
+    aten: str
+    onednn: str
+
+
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "avx512_bf16",
+        _AVX512 | {"avx512_bf16", "avx512_vnni"},
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+         "-mavx512vnni"),
+        "avx512", "AVX512_CORE_BF16",
+    ),  # fmt: skip
+    Variant(
+        "avx512",
+        _AVX512,
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+        "avx512", "AVX512_CORE",
+    ),
+    Variant("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c"), "avx2", "AVX2"),
+    # compiles anywhere (aarch64 included): generic vectors the compiler maps to what it has
+    Variant("portable", frozenset(), (), "default", "SSE41"),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+
+
+def variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANT_NAMES)}")
+
+
+def _proc_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def _model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@attrs.frozen
+class CpuFeatures:
+    """The CPU as Atom sees it: its flags (less those above `ATOM_CPU_ISA`), and the variant it runs."""
+
+    model: str
+    machine: str
+    flags: frozenset[str]  # as /proc/cpuinfo names them
+    variant: Variant  # the best one these flags allow
+    capped: bool  # ATOM_CPU_ISA chose a lower level than the CPU has
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """Every variant these flags can run, best first."""
+        return tuple(v.name for v in _runnable(self.flags, self.machine))
+
+    @property
+    def onednn_bf16(self) -> bool:
+        """Whether oneDNN's bfloat16 kernels (packed bfloat16 Linear) run here: torch refuses
+        them without avx512bw/vl/dq or avx_ne_convert."""
+        return {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
+
+    def summary(self) -> str:
+        level = self.variant.name + (f" ({ENV_ISA})" if self.capped else "")
+        return f"{self.model}: kernels {level}; oneDNN bfloat16 {'yes' if self.onednn_bf16 else 'no'}"
+
+
+def _runnable(flags: frozenset[str], machine: str) -> list[Variant]:
+    x86 = machine in ("x86_64", "AMD64")
+    return [v for v in VARIANTS if v.requires <= flags and (x86 or not v.cflags)]
+
+
+def detect(flags: frozenset[str] | None = None, isa: str | None = None, machine: str | None = None) -> CpuFeatures:
+    """The features of this CPU (or of `flags`), capped at `isa` (default: `ATOM_CPU_ISA`)."""
+    machine = machine or platform.machine()
+    flags = _proc_flags() if flags is None else flags
+    isa = os.environ.get(ENV_ISA, "") if isa is None else isa
+    runnable = _runnable(flags, machine)
+    best = runnable[0]
+    if isa:
+        wanted = variant(isa.strip().lower())
+        if wanted not in runnable:
+            missing = sorted(wanted.requires - flags) or [machine]
+            raise ValueError(f"{ENV_ISA}={isa}: this CPU cannot run it (it lacks {', '.join(missing)})")
+        if wanted is not best:  # what a CPU of that level has: none of the better levels' features
+            above = set().union(*(v.requires for v in VARIANTS))
+            above |= {f for f in flags if f.startswith(("avx512", "amx")) or f == "avx_ne_convert"}
+            flags = flags - (above - wanted.requires)
+            return CpuFeatures(_model_name(), machine, flags, wanted, True)
+    return CpuFeatures(_model_name(), machine, flags, best, False)
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    return detect()
+
+
+def cap_torch_and_onednn() -> None:
+    """Under ATOM_CPU_ISA, cap oneDNN and torch's kernels at the same level (where unset), so
+    they too choose as on such a CPU. Needs to run before torch picks (at `import atom_core`)."""
+    if not os.environ.get(ENV_ISA):
+        return
+    features = cpu_features()
+    if features.capped:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", features.variant.onednn)
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", features.variant.aten)
