@@ -4,15 +4,19 @@ Everything model-specific (models, attention kernels, samplers, proposers) arriv
 a plugin through the "atom" entry-point group; this package imports none of them.
 """
 
-from atom_core.block_manager import Block, BlockManager
-from atom_core.config import Config, SpeculativeConfig
-from atom_core.hookspecs import hookimpl
-from atom_core.plugins import get_plugin_manager, get_registry
-from atom_core.registry import Registry, RegistryError
-from atom_core.request import RequestOutput
-from atom_core.sampling_params import SamplingParams
-from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler
-from atom_core.sequence import Sequence, SequenceStatus, SequenceType
+from atom_core.cpu_features import cap_torch_and_onednn
+
+cap_torch_and_onednn()  # under ATOM_CPU_ISA, before torch chooses its kernels
+
+from atom_core.block_manager import Block, BlockManager  # noqa: E402
+from atom_core.config import Config, SpeculativeConfig  # noqa: E402
+from atom_core.hookspecs import hookimpl  # noqa: E402
+from atom_core.plugins import get_plugin_manager, get_registry  # noqa: E402
+from atom_core.registry import Registry, RegistryError  # noqa: E402
+from atom_core.request import RequestOutput  # noqa: E402
+from atom_core.sampling_params import SamplingParams  # noqa: E402
+from atom_core.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler  # noqa: E402
+from atom_core.sequence import Sequence, SequenceStatus, SequenceType  # noqa: E402
 
 
 

@@ -14,8 +14,17 @@ from atom_core.llm_engine import LLMEngine  # noqa: E402
 from atom_core.sampler import Sampler  # noqa: E402
 from model_utils import build_tiny_model, random_prompts  # noqa: E402
 
+from conftest import require_kernel  # noqa: E402
+
 ops = gemv_ops()
-needs_kernels = pytest.mark.skipif(ops is None, reason="the C++ kernels did not build")
+
+
+@pytest.fixture
+def kernels():
+    return require_kernel(gemv_ops())
+
+
+needs_kernels = pytest.mark.usefixtures("kernels")
 
 
 def near_tie_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import require_kernel  # noqa: E402
+
 from atom_attention import cpu_kernels  # noqa: E402
 from atom_attention.cpu_paged import CpuPagedAttention  # noqa: E402
 from atom_attention.mha import MHAMetadataBuilder, default_impl_cls  # noqa: E402
@@ -142,12 +144,13 @@ def test_cpu_kernel_builds_where_a_compiler_is():
     assert default_impl_cls(torch.device("cpu")) is CpuPagedAttention
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (64, 2, 5), (128, 2, 3), (128, 1, 4), (96, 2, 2)])
-def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group):
-    """Head dims 64 and 128 take the AVX-512 paths (several query heads per pass over a row;
-    groups above a pass's capacity take two), others the generic loop."""
-    ops = cpu_kernels.load()
+def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group, kernel_variant):
+    """Head dims 64 and 128 take the vector paths (several query heads per pass over a row;
+    groups above a pass's capacity take two; AVX2's 16 registers hold fewer), others and
+    float16 the generic loop, in each variant this host runs."""
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
     gen = torch.Generator().manual_seed(dim + group)
     bs, nblocks = 16, 64
     context_lens = [1, 15, 16, 17, 100, 203]

@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import require_kernel  # noqa: E402
+
 from atom_core import memory  # noqa: E402
 from atom_core.memory import HUGE_PAGE, empty_resident  # noqa: E402
 
@@ -186,8 +188,7 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     from atom_core.layers.quant import StreamingGroupGemm
     from atom_core.llm_engine import LLMEngine
 
-    if gemv_ops() is None:
-        pytest.skip("the C++ kernels did not build here")
+    require_kernel(gemv_ops())
     build_tiny_model("llama_tied_rope3", tmp_path)
     ranges = advised_huge(monkeypatch)
     engine = LLMEngine(tmp_path, dtype="float32", num_kvcache_blocks=16, max_model_len=64)

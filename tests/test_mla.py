@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import KERNEL_VARIANTS, require_kernel  # noqa: E402
+
 from atom_core.attention import AttentionMetadataBuilder  # noqa: E402
 from atom_core.layers.mla import MLAAttention  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
@@ -108,14 +110,14 @@ def reference(layer, lat, q_nope, q_pe, n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("impl_name", ["cpu", "torch_expand", "torch_absorb"])
-def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, shape, dtype):
+@pytest.mark.parametrize("impl_name", [*(f"cpu-{v}" for v in KERNEL_VARIANTS), "torch_expand", "torch_absorb"])
+def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, shape, dtype, monkeypatch, _kernels_built):
     from atom_attention import cpu_kernels
     from atom_attention.mla_paged import CpuMLAAttention, TorchMLAAttention
 
-    if impl_name == "cpu":
-        if cpu_kernels.load() is None:
-            pytest.skip("no C++ compiler")
+    if impl_name.startswith("cpu-"):  # the C++ kernel, in each variant this host runs
+        ops = require_kernel(cpu_kernels.load(impl_name.removeprefix("cpu-")))
+        monkeypatch.setattr(cpu_kernels, "load", lambda variant=None: ops)
         impl = CpuMLAAttention()
     else:
         impl = TorchMLAAttention()
@@ -137,7 +139,7 @@ def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, sha
     for c, n, table in zip(ctx, q_lens, tables):
         lat = torch.randn(c, rank + rope).to(dtype)
         for pos in range(c - n):  # the cached prefix is in the pool already
-            if pos % BS == 0 and impl_name != "cpu":
+            if pos % BS == 0 and not impl_name.startswith("cpu-"):
                 pool[table[pos // BS]] = 0.0  # as the torch path clears a block on its first token
             pool[table[pos // BS], pos % BS] = lat[pos]
         lats.append(lat)

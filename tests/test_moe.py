@@ -9,6 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from atom_core.cpu_features import cpu_features  # noqa: E402
+from conftest import require_kernel  # noqa: E402
+
 from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -246,10 +249,10 @@ def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
     layout; the C++ experts loop (or the Python one without it) gives the plain path's result."""
     from atom_core.layers import moe as moe_module
 
-    if cpp_loop and moe_module.moe_ops() is None:
-        pytest.skip("the C++ experts loop is unavailable (no compiler, or ATOM_CPU_KERNELS=0)")
-    if not cpp_loop:
-        monkeypatch.setattr(moe_module, "moe_ops", lambda: None)
+    if cpp_loop:
+        require_kernel(moe_module.moe_ops())
+    else:
+        monkeypatch.setattr(moe_module, "moe_ops", lambda variant=None: None)
     moe = make_moe(dtype=dtype)
     x = torch.randn(30, 16, dtype=dtype)
     w, ids = select_experts(torch.randn(30, 8), 3)
@@ -257,7 +260,10 @@ def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
     before, before_one = moe(x, w, ids), moe(x[:1], w[:1], ids[:1])  # one token: three experts, a row each
     moe.process_weights_after_loading()
     moe.process_weights_after_loading()  # idempotent
-    assert moe.packed is None or (moe.w13 is None and len(moe.packed[0]) == 8)
+    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:  # each expert's streaming kernel
+        assert moe.expert_gemms is not None and moe.w13 is None
+    else:
+        assert moe.packed is None or (moe.w13 is None and len(moe.packed[0]) == 8)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(moe(x, w, ids), before, **tol)
     torch.testing.assert_close(moe(x[:1], w[:1], ids[:1]), before_one, **tol)
@@ -271,8 +277,7 @@ def test_packed_experts_against_float64(dtype, hidden, inter):
     than one pass over its weights (kChunkRows) take."""
     from atom_core.layers import moe as moe_module
 
-    if moe_module.moe_ops() is None:
-        pytest.skip("the C++ experts loop is unavailable (no compiler, or ATOM_CPU_KERNELS=0)")
+    require_kernel(moe_module.moe_ops())
     torch.manual_seed(1)
     moe = FusedMoE(5, hidden, inter).to(dtype)
     with torch.no_grad():
@@ -284,7 +289,10 @@ def test_packed_experts_against_float64(dtype, hidden, inter):
     ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
     ref = per_token_loop(moe, x, w, ids)
     moe.process_weights_after_loading()
-    assert moe.packed is not None and moe.w13 is None
+    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:  # no oneDNN bfloat16: the streaming kernels
+        assert moe.expert_gemms is not None and moe.w13 is None
+    else:
+        assert moe.packed is not None and moe.w13 is None
     out = moe(x, w, ids)
     assert out.dtype == dtype
     # bfloat16 rounds the GEMM outputs, silu and the product as transformers does; outputs are ~3

@@ -13,6 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
+from conftest import require_kernel  # noqa: E402
+
 from safetensors.torch import save_file  # noqa: E402
 
 from atom_core import Config, SamplingParams  # noqa: E402
@@ -358,21 +360,23 @@ def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_streaming_group_kernel_against_float64(bits):
-    """The kernel at every row count it takes, an odd number of groups, a bias: against the
-    float64 product of x and the weight it holds (float16 scales and mins)."""
+def test_streaming_group_kernel_against_float64(bits, kernel_variant):
+    """The kernel at every row count of a pass and past it (1-9, 17, 64, 700), an odd number of
+    groups, a bias, float32, bfloat16 and float16 activations: against the float64 product of
+    x and the weight it holds (float16 scales and mins), in each variant this host runs."""
     from atom_core.layers.linear import gemv_ops
 
+    ops = require_kernel(gemv_ops(kernel_variant))
     gen = torch.Generator().manual_seed(3)
     for n, k in [(5, 32), (100, 96), (131, 576), (37, 1536)]:
         w = torch.randn(n, k, generator=gen) * 0.05
         qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w, 32)
-        kernel = StreamingGroupGemm(qw, gemv_ops())
+        kernel = StreamingGroupGemm(qw, ops)
         q = qw.qweight.reshape(n, k // 32, 32).double() + (128 if bits == 8 else 0)
         scales = qw.scales.half().double()  # the kernel's float16 scale and min per group
         mins = (qw.zeros - 8 * qw.scales).half().double() if bits == 4 else (-128 * scales).half().double()
         w = (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(n, k)
-        for rows in [*range(1, 10), 17, 64]:  # the op takes any number, 8 at a time
+        for rows in [*range(1, 10), 17, 64, 700][: None if n * k < 50_000 else 11]:  # any number, a pass at a time
             x = torch.randn(rows, k, generator=gen)
             ref = x.double() @ w.T
             # x is rounded to int16 per group: about 16 bits of each group's largest value

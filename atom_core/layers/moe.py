@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.cpu_features import cpu_features
 from atom_core.layers.cpp import CppKernel
+from atom_core.layers.linear import StreamingGemm, pick_gemm
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quant import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
@@ -154,6 +156,14 @@ class FusedMoE(nn.Module):
             self.quant = self.w13 = self.w2 = None  # the kernels hold their own copies
             return
         if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
+            # oneDNN has no bfloat16 kernels here (no AVX-512): each expert's own streaming
+            # kernel, which keeps the weights in bfloat16 (`pick_gemm`), where it builds
+            gemms = [(pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)]
+            if all(isinstance(g[0], StreamingGemm) for pair in gemms for g in pair):
+                self.expert_gemms = gemms
+                self.w13 = self.w2 = None
             return
         ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") else moe_ops()  # the micro-kernel is oneDNN's
         if ops is None or not ops.usable(self.w13):

@@ -78,7 +78,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if ops is not None and x.dim() == 2 and x.shape[0] <= SILU_AND_MUL_NATIVE_ROWS and x.stride(1) == 1:
         vector_bytes = torch_vector_bytes()
         one_thread = x.numel() // 2 < GRAIN_SIZE or torch.get_num_threads() == 1
-        if vector_bytes is not None and one_thread:
+        if vector_bytes is not None and one_thread and ops.EXP_LANES:
             return ops.silu_and_mul(x, vector_bytes)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one fewer [tokens, intermediate] temporary

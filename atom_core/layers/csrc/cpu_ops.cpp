@@ -326,4 +326,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (residual updated in place; CPU)");
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up, as torch's one-thread silu rounds (CPU)");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place (CPU)");
+  m.attr("EXP_LANES") = kLanes;  // 0: no vector exp to mirror torch's silu with (portable builds)
+  m.attr("VARIANT") = ATOM_STR(ATOM_VARIANT);
 }
