@@ -1,11 +1,14 @@
-"""The `atom` command: `atom generate`, `atom fetch`, `atom plugins`."""
+"""The `atom` command: `atom generate`, `atom fetch`, `atom plugins`, `atom env`, `atom kernels`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+from atom_core.cpu_features import VARIANT_NAMES
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -58,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--cache-dir", default=None, help="default: $ATOM_CACHE_DIR or ~/.cache/atom")
 
     sub.add_parser("plugins", help="list installed plugins and what they register")
+    sub.add_parser("env", help="this CPU's features, torch's CPU level, and which variant each C++ kernel runs")
+    kernels = sub.add_parser("kernels", help="build the C++ CPU kernels now (scripts/setup.sh runs this)")
+    kernels.add_argument("--variant", action="append", choices=["all", *VARIANT_NAMES], default=None,
+                         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)")
 
     args = parser.parse_args(argv)
     try:
-        return {"generate": _generate, "fetch": _fetch, "plugins": _plugins}[args.command](args)
+        commands = {"generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels}
+        return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
         print(f"atom: error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +95,55 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{kind}: {', '.join(registry.names()) or '-'}")
         for name, why in sorted(registry.failed_plugins.items() - failed_plugins.items()):
             print(f"  (plugin {name!r} left out: {why})")
+    from atom_core.cpu_features import cpu_features
+
+    print(f"cpu: {cpu_features().summary()} (`atom env` for each kernel)")
     return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from atom_core.cpu_features import ENV_ISA, VARIANTS, cpu_features, detect
+    from atom_core.layers.cpp import build_all, compiler, kernels_enabled
+
+    features, host = cpu_features(), detect(isa="")
+    shown = sorted({f for v in VARIANTS for f in v.requires} | {"avx_vnni", "avx_ne_convert", "amx_bf16"})
+    print(f"cpu:             {features.model} ({features.machine}, {os.cpu_count()} cores)")
+    print(f"features:        {' '.join(f if f in host.flags else '-' + f for f in shown)}")
+    capped = f" ({ENV_ISA}={os.environ[ENV_ISA]}; this CPU: {host.variant.name})" if features.capped else ""
+    print(f"kernel variant:  {features.variant.name}{capped}; can run: {', '.join(features.variants)}")
+    print(f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else 'no (bfloat16 weights stay bfloat16 in the tiled kernel)'}")
+    print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    env = [f"{v}={os.environ[v]}" for v in ("ATOM_CPU_ISA", "ATOM_CPU_KERNELS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+           if os.environ.get(v)]  # fmt: skip
+    if env:
+        print(f"environment:     {' '.join(env)}")
+    print(f"compiler:        {compiler() or 'none on PATH'}; python {platform.python_version()}")
+    if not kernels_enabled():
+        print("kernels:         off (ATOM_CPU_KERNELS=0): the torch path runs")
+        return 0
+    for name, status in build_all()[features.variant.name].items():
+        print(f"  {name:<26} {status}")
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from atom_core.cpu_features import cpu_features
+    from atom_core.layers.cpp import build_all
+
+    variants = args.variant or [cpu_features().variant.name]
+    if "all" in variants:
+        variants = list(cpu_features().variants)
+    failed = 0
+    for variant, statuses in build_all(variants).items():
+        for name, status in statuses.items():
+            print(f"{variant:<12} {name:<26} {status}")
+            failed += status != variant
+    return 1 if failed else 0
 
 
 def _generate(args: argparse.Namespace) -> int:

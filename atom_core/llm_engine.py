@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence as SequenceABC
 from pathlib import Path
@@ -20,6 +21,8 @@ from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 from atom_core.scheduler import Scheduler
 from atom_core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _CONFIG_FIELDS = {f.name for f in attrs.fields(Config)}
@@ -111,6 +114,10 @@ class LLMEngine:
         from atom_core.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, hf_config)
+        if self.runner.device.type == "cpu":
+            from atom_core.layers.cpp import summary
+
+            logger.info("atom: %s", summary())
         self.config = attrs.evolve(
             config,
             num_kvcache_blocks=self.runner.num_kvcache_blocks,

@@ -13,8 +13,11 @@ minutes, so only figures taken together compare.
 * 4-bit groups of 32 (GGUF Q4_1's layout): `qgemm` against `_weight_int4pack_mm_for_cpu`
   (bytes: the packed values plus a 16-bit scale and min per group, for both).
 
+`--variants avx512_bf16,avx2` measures those builds of the kernels side by side (an AVX-512
+host runs the AVX2 one too); the default is this CPU's.
+
     .venv/bin/python benchmarks/gemv_bandwidth.py [--rows 1,2,3,4,8] [--threads 2] [--repeats 5]
-        [--weights float32,bfloat16,4bit]
+        [--weights float32,bfloat16,4bit] [--variants avx512_bf16,avx2]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from atom_core.cpu_features import cpu_features
 from atom_core.layers.linear import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
 from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
 from atom_core.memory import resident, weight_arena
@@ -69,24 +73,24 @@ def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: 
     print(f"| {weights} | {m} | {mine:.1f} | {copy:.1f} | {mine / copy:.0%} | {peer:.1f}{peer_name} | {mine / peer:.2f}x |")
 
 
-def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
-    ops = gemv_ops()
+def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
+    ops = gemv_ops(variant)
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     with weight_arena():
         streamed = [StreamingGemm(w, ops) for w in weights]  # its tiled copy, in huge pages
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
-    for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it
+    for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it (past it, oneDNN)
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         mine, machine = copy.around(
             lambda: nbytes / best_time([lambda g=g: g(xs[g.in_features], None, None) for g in streamed], repeats) / 1e9
         )
         calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
-        row(str(dtype).removeprefix("torch."), m, mine, machine, nbytes / best_time(calls, repeats) / 1e9)
+        row(f"{str(dtype).removeprefix('torch.')} ({variant})", m, mine, machine, nbytes / best_time(calls, repeats) / 1e9)
 
 
-def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
-    ops = gemv_ops()
+def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
+    ops = gemv_ops(variant)
     weights = [quantize_int4(torch.randn(n, k) * 0.05, 32) for n, k in SHAPES]
     with weight_arena():
         mine = [StreamingGroupGemm(w, ops) for w in weights]
@@ -96,7 +100,7 @@ def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth) -> None:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         a, machine = copy.around(lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9)
         b = nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats) / 1e9
-        row("4-bit groups of 32", m, a, machine, b, " (torch int4)")
+        row(f"4-bit groups of 32 ({variant})", m, a, machine, b, " (torch int4)")
 
 
 def main() -> None:
@@ -105,21 +109,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--weights", default="float32,bfloat16,4bit", help="which of float32, bfloat16, 4bit")
+    ap.add_argument("--variants", default=None, help="kernel builds to measure (default: this CPU's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    if gemv_ops() is None:
-        raise SystemExit("the C++ kernels did not build (see the warning above)")
+    variants = args.variants.split(",") if args.variants else [cpu_features().variant.name]
+    for variant in variants:
+        if gemv_ops(variant) is None:
+            raise SystemExit(f"the {variant} build of the C++ kernels is unavailable (see the log line above)")
     copy = CopyBandwidth()
-    print(f"{args.threads} threads")
+    print(f"{cpu_features().model}, {args.threads} threads")
     print("| weights | rows | Atom's streaming kernel (GB/s) | copy around it (GB/s) | of copy | peer (GB/s) | Atom / peer |")
     print("|---|---|---|---|---|---|---|")
     kinds = args.weights.split(",")
     for dtype in (torch.float32, torch.bfloat16):
         if str(dtype).removeprefix("torch.") in kinds:
-            float_rows(dtype, rows, args.repeats, copy)
+            for variant in variants:
+                float_rows(dtype, rows, args.repeats, copy, variant)
     if "4bit" in kinds:
-        int4_rows(rows, args.repeats, copy)
+        for variant in variants:
+            int4_rows(rows, args.repeats, copy, variant)
 
 
 if __name__ == "__main__":

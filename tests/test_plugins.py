@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from atom_core import RegistryError, get_plugin_manager, get_registry, hookimpl
+from atom_core.layers.cpp import CppKernel, declared_kernels
 from atom_core.plugins import REGISTRY_HOOKS, list_plugins
 
 FIXTURE = Path(__file__).parent / "fixtures" / "atom_example_plugin"
@@ -41,9 +42,16 @@ class InProcessPlugin:
     def atom_register_gguf_architectures(self, registry):
         registry.register("example", Constant)
 
+    @hookimpl
+    def atom_register_cpp_kernels(self, registry):
+        registry.register("example", EXAMPLE_KERNEL)
+
 
 class Constant:
     pass
+
+
+EXAMPLE_KERNEL = CppKernel("atom_example", Path(__file__).parent / "example.cpp")  # declared, never built
 
 
 def test_get_plugin_manager_is_one_object_with_the_atom_hooks():
@@ -70,6 +78,7 @@ def test_in_process_plugin_adds_every_kind(plugin_manager, monkeypatch):
     assert get_registry("samplers").get("constant") is Constant
     assert get_registry("proposers").get("noop") is Constant
     assert get_registry("gguf_architectures").get("example") is Constant
+    assert declared_kernels()["example"] is EXAMPLE_KERNEL and "cpu_ops" in declared_kernels()
 
 
 def test_unregistering_removes_the_names(plugin_manager):

@@ -193,4 +193,20 @@ def build_all(variants: Sequence[str | None] = (None,), kernels: list[CppKernel]
     return {v: {k.name: k.status(v) for k in kernels} for v in variants}
 
 
-__all__ = ["CppKernel", "VARIANT_NAMES", "build_all", "compiled_op", "compiler", "declared_kernels", "kernels_enabled"]
+def summary(loaded_only: bool = True) -> str:
+    """One line: the CPU, the variant its kernels run, torch's and oneDNN's levels, and each
+    declared kernel's status (those loaded so far, unless `loaded_only` is False)."""
+    import torch
+
+    features = cpu_features()
+    kernels = [k for k in declared_kernels().values() if not loaded_only or k._modules]
+    parts = ", ".join(f"{k.name.removeprefix('atom_')} {k.status()}" for k in kernels)
+    return (
+        f"{features.summary()}; torch {torch.backends.cpu.get_cpu_capability()}"
+        + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if os.environ.get("ATEN_CPU_CAPABILITY") else "")
+        + (f"; oneDNN capped at {os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")
+        + (f"; {parts}" if parts else "")
+    )
+
+
+__all__ = ["CppKernel", "VARIANT_NAMES", "build_all", "compiled_op", "compiler", "declared_kernels", "kernels_enabled", "summary"]

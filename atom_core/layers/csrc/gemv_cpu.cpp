@@ -1,28 +1,31 @@
-// Skinny GEMM for decode steps: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for M of 1 to 8 rows.
+// Weight-streaming GEMM: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built for decode steps (M of
+// 1 to 8 rows), and serving any M where oneDNN has no kernel for the weights' dtype
+// (bfloat16 on CPUs without AVX-512).
 //
 // At a few rows a Linear is a stream over its weight: each weight is read once and used M
-// times, so the kernel's job is to keep the memory bus busy. oneDNN's packed GEMM reads
-// SmolLM2's weights at 17-24 GB/s at one row on this 2-core machine.
+// times, so the kernel's job is to keep the memory bus busy (oneDNN's packed GEMM reads it
+// well below the copy bandwidth at one row; docs/performance.md).
 //
-// The weight is laid out for this kernel (linear.py's `gemv_weight`): tiles of 32 output
-// rows, and within a tile, for each k (bfloat16: each pair k, k + 1), the 32 rows' values
-// side by side: 128 bytes, two vectors whose lane c belongs to output row c. A tile is one
-// sequential stream, which this host serves best (each variant that read two streams side
-// by side lost from memory), and x is broadcast: one load of x serves 32 outputs, and no
-// output needs a horizontal sum. The row-major kernel it replaced loaded x once per 16 or
-// 32 weights and summed each output across lanes; at 6-8 rows that set the pace, not the
-// memory (in cache, one core, 8 rows: bfloat16 37-41 -> 58-60 GB/s, float32 32-46 -> 58-59;
-// from memory in fast spells, copy 76-82 GB/s: bfloat16 66-72% -> 77-83% of copy, float32
-// 71-75% -> 87-92%). Each thread takes a contiguous run of tiles, each line prefetched
-// (non-temporal) PREFETCH_BYTES ahead. x stays in L1/L2.
+// The weight is laid out for this kernel (linear.py's `gemv_weight`): tiles of TILE output
+// rows (two vectors: 32 with AVX-512, 16 with AVX2), and within a tile, for each k
+// (bfloat16: each pair k, k + 1), the TILE rows' values side by side, two vectors whose lane
+// c belongs to output row c. A tile is one sequential stream, which these hosts serve best
+// (variants that read two streams side by side lost from memory), and x is broadcast: one
+// load of x serves TILE outputs, and no output needs a horizontal sum (the row-major kernel
+// this replaced was bound by its x loads and cross-lane sums at 6-8 rows, not by memory).
+// Each thread takes a contiguous run of tiles, each line prefetched (non-temporal)
+// PREFETCH_BYTES ahead; rows go through a tile ROWS at a time (as many as the registers
+// hold accumulators for), further passes reading the tile from cache. Past CHUNK_ROWS rows
+// (a GEMM), x is taken a chunk at a time so that the chunk stays in L2 under the tiles.
 //
 // Each output is one chain of float32 sums in k order: fused multiply-adds of the widened
-// values, or with bfloat16 weights and activations one vdpbf16ps per pair (its two products
-// added into the chain in turn, each rounded, as this host computes it). Every output sums alike whatever M and
-// wherever its row sits in a tile, so a row computes alike at 1 to 8 rows and a column alike
-// in any subset of the weight's rows (the LM head screen's exact recomputation relies on
-// it). Each output rounds once to the activation dtype. The weights themselves sit in 2 MiB
-// pages (`memory.weight_arena`).
+// values, or, on CPUs with avx512_bf16, for bfloat16 weights and activations one vdpbf16ps
+// per pair (its two products added into the chain in turn, each rounded, as Zen 5 computes
+// it). Every output sums alike whatever M and wherever its row sits in a tile, so a row
+// computes alike at any row count and a column alike in any subset of the weight's rows
+// (the LM head screen's exact recomputation relies on it; within one variant). Each output
+// rounds once to the activation dtype. The weights themselves sit in 2 MiB pages
+// (`memory.weight_arena`).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -85,16 +88,16 @@ inline void tile_f32(const float* x, int64_t K, const float* w, vf (&acc)[2][M])
 }
 
 // bfloat16 weights (lane c of a pair's vector: row c's values at k and k + 1, low half first)
-// against float32 or bfloat16 activations: both values widened exactly, two fused multiply-adds.
-template <int M, typename X>
-inline void tile_bf16_widened(const X* x, int64_t K, const c10::BFloat16* w, vf (&acc)[2][M]) {
+// against float32 activations: the weights widened exactly, two fused multiply-adds.
+template <int M>
+inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* wk = w + k * TILE;
     prefetch_step(wk);
     vf even[2], odd[2];
     UNROLL for (int h = 0; h < 2; ++h) simd::load_pairs(wk + 2 * L * h, even[h], odd[h]);
     UNROLL for (int m = 0; m < M; ++m) {
-      const vf x0 = simd::set1(to_float(x[m * K + k])), x1 = simd::set1(to_float(x[m * K + k + 1]));
+      const vf x0 = simd::set1(x[m * K + k]), x1 = simd::set1(x[m * K + k + 1]);
       UNROLL for (int h = 0; h < 2; ++h) acc[h][m] = simd::fmadd(odd[h], x1, simd::fmadd(even[h], x0, acc[h][m]));
     }
   }
@@ -102,6 +105,7 @@ inline void tile_bf16_widened(const X* x, int64_t K, const c10::BFloat16* w, vf 
 
 #if defined(__AVX512BF16__)
 // bfloat16 weights and activations: one vdpbf16ps per pair (x's pair broadcast as 32 bits).
+// Without avx512_bf16, bfloat16 activations are widened to float32 first (`gemv`).
 template <int M>
 inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, __m512 (&acc)[2][M]) {
   const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
@@ -117,11 +121,6 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
     }
   }
 }
-#else
-template <int M>
-inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, vf (&acc)[2][M]) {
-  tile_bf16_widened<M>(x, K, w, acc);
-}
 #endif
 
 // Tile t for rows [0, M) of x (already offset to the block's first row), written to y.
@@ -132,8 +131,10 @@ inline void one_tile(const X* x, int64_t K, const W* w, int64_t N, const float* 
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
   const W* wt = w + t * TILE * K;
   if constexpr (std::is_same_v<W, float>) tile_f32<M>(x, K, wt, acc);
-  else if constexpr (std::is_same_v<X, float>) tile_bf16_widened<M>(x, K, wt, acc);
+  else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
+#if defined(__AVX512BF16__)
   else tile_bf16<M>(x, K, wt, acc);
+#endif
   const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
   UNROLL for (int m = 0; m < M; ++m) {
     alignas(64) float out[TILE];
@@ -205,20 +206,21 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
   if (M == 0) return y;
   // x padded to the weight's K (a zero after an odd K: bfloat16 weights go in pairs)
   auto padded = [&](const at::Tensor& t) { return Kp == K ? t.contiguous() : at::constant_pad_nd(t, {0, Kp - K}); };
+#if defined(__AVX512BF16__)
   if (wt == at::kBFloat16 && xt == at::kBFloat16) {
     const at::Tensor xc = padded(x);
     gemm_impl(xc.data_ptr<c10::BFloat16>(), M, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
     return y;
   }
-  const at::Tensor xf = padded(x.to(at::kFloat));
+#endif
+  const at::Tensor xf = padded(x.to(at::kFloat));  // widened once, not at every broadcast
   const float* xp = xf.data_ptr<float>();
-  if (wt == at::kFloat) {
-    const float* wp = w.data_ptr<float>();
+  auto run = [&](auto* wp) {
     if (xt == at::kFloat) gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<float>());
     else gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
-  } else {
-    gemm_impl(xp, M, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<float>());  // float32 activations
-  }
+  };
+  if (wt == at::kFloat) run(w.data_ptr<float>());
+  else run(w.data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -233,11 +235,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
 // (about 16 significant bits, where llama.cpp's int8 vector keeps 8 and bfloat16 keeps 8).
 // The weight is packed in tiles of 16 output columns (quant.py's `StreamingGroupGemm`): for
 // each tile and group, 16 vectors W_p (p = 0..15), lane c of W_p holding column c's two
-// values at k = 2p, 2p + 1 as int16 pairs. One vpdpwssd of W_p against the broadcast pair
-// (x_2p, x_2p+1) adds 32 products into the 16 columns' int32 sums, so a group takes 16 of
-// them per row (exact integers), then one conversion and two fused multiply-adds add
-// d dx sum(q q16) + m sum(x) to the 16 columns' float sums. No horizontal reductions, and
-// each unpacked W_p serves up to 8 rows of x. 4 bits: a tile-group is 256 bytes, 64 for
+// values at k = 2p, 2p + 1 as int16 pairs. One vpdpwssd (AVX-512 VNNI; elsewhere vpmaddwd
+// and an add, the same exact integers) of W_p against the broadcast pair (x_2p, x_2p+1)
+// adds 32 products into the 16 columns' int32 sums, so a group takes 16 of them per row,
+// then one conversion and two fused multiply-adds add d dx sum(q q16) + m sum(x) to the 16
+// columns' float sums. With AVX2 a W_p is two 8-lane halves. No horizontal reductions, and
+// each unpacked W_p serves up to QROWS rows of x. The portable build runs the same sums in
+// scalar code. 4 bits: a tile-group is 256 bytes, 64 for
 // each W_4j .. W_4j+3, whose values at lane i sit in the four nibbles of int16 i (one and
 // or shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
 //

@@ -1,0 +1,118 @@
+"""Which kernel variant a CPU gets, ATOM_CPU_ISA, and what a kernel that cannot build does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atom_core.cpu_features import VARIANTS, detect
+
+ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
+SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+ZEN5 = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
+
+
+@pytest.mark.parametrize(
+    "flags,machine,best,bf16",
+    [
+        (ZEN5, "x86_64", "avx512_bf16", True),
+        (SKYLAKE_SP, "x86_64", "avx512", True),
+        (ZEN3, "x86_64", "avx2", False),
+        (ZEN3 | {"avx_ne_convert", "avx_vnni"}, "x86_64", "avx2", True),  # Intel client CPUs with AVX-NE-CONVERT
+        (frozenset({"sse2"}), "x86_64", "portable", False),
+        (frozenset({"fp", "asimd"}), "aarch64", "portable", False),
+        (ZEN5, "aarch64", "portable", True),  # x86 flags never pick an x86 build on another machine
+    ],
+)
+def test_the_best_variant_the_cpu_has(flags, machine, best, bf16):
+    f = detect(flags, isa="", machine=machine)
+    assert f.variant.name == best and not f.capped
+    assert f.variants[0] == best and f.variants[-1] == "portable"
+    assert f.onednn_bf16 is bf16
+
+
+def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
+    f = detect(ZEN5, isa="avx2", machine="x86_64")
+    assert f.variant.name == "avx2" and f.capped and f.variants == ("avx2", "portable")
+    assert not f.onednn_bf16 and not any(x.startswith("avx512") for x in f.flags)
+    assert detect(ZEN5, isa="portable", machine="x86_64").variants == ("portable",)
+    assert detect(ZEN5, isa="AVX512", machine="x86_64").variants == ("avx512", "avx2", "portable")
+    with pytest.raises(ValueError, match=r"ATOM_CPU_ISA=avx512: this CPU cannot run it \(it lacks avx512bw"):
+        detect(ZEN3, isa="avx512", machine="x86_64")
+    with pytest.raises(ValueError, match="unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"):
+        detect(ZEN3, isa="sse9", machine="x86_64")
+
+
+def test_variants_are_ordered_best_first_and_each_needs_what_the_next_does():
+    for better, worse in zip(VARIANTS, VARIANTS[1:]):
+        assert worse.requires <= better.requires
+    assert all("-march=native" not in v.cflags for v in VARIANTS)
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_a_kernel_that_cannot_build_says_so_once_and_is_not_retried(tmp_path, monkeypatch, caplog):
+    from atom_core.layers import cpp
+    from atom_core.layers.cpp import FAILED_FILE, LOG_FILE, CppKernel
+
+    if cpp.compiler() is None:
+        pytest.skip("no C++ compiler on this host")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++;\n")
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        assert CppKernel("atom_broken", source).load("portable") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "C++ kernel atom_broken (portable) unavailable" in lines[0]
+    assert "error" in lines[0] and str(tmp_path / "ext") in lines[0] and len(lines[0]) < 800
+    build = CppKernel("atom_broken", source).build_dir("portable")
+    assert (build / FAILED_FILE).is_file() and "error" in (build / LOG_FILE).read_text()
+
+    # A new process (a new kernel object): remembered, not compiled again.
+    from torch.utils import cpp_extension
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    caplog.clear()
+    kernel = CppKernel("atom_broken", source)
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        assert kernel.load("portable") is None
+    assert calls == [] and "an earlier build" in caplog.records[0].getMessage()
+    assert kernel.status("portable").startswith("torch path (")
+    # The source changes: built again.
+    source.write_text("still not C++ either;\n")
+    CppKernel("atom_broken", source).load("portable")
+    assert len(calls) == 1
+
+
+def test_kernels_off_and_no_compiler(tmp_path, monkeypatch):
+    from atom_core.layers.cpp import CppKernel
+
+    source = tmp_path / "k.cpp"
+    source.write_text("int x;\n")
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "0")
+    kernel = CppKernel("atom_off", source)
+    assert kernel.load() is None and kernel.status() == "off (ATOM_CPU_KERNELS=0)"
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "1")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert kernel.load("portable") is None
+    assert "no C++ compiler (no-such-compiler-here is not on PATH)" in kernel.status("portable")
+
+
+def test_atom_env_names_the_variant_of_each_kernel(capsys):
+    from atom_core.cli import main
+    from atom_core.cpu_features import cpu_features
+    from atom_core.layers.cpp import kernels_enabled
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    variant = cpu_features().variant.name
+    assert f"kernel variant:  {variant}" in out and "torch:" in out and "CPU capability" in out
+    if not kernels_enabled():
+        assert "kernels:         off (ATOM_CPU_KERNELS=0)" in out
+        return
+    for name in ("atom_cpu_ops", "atom_gemv", "atom_moe_ops", "atom_paged_attention_cpu"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        assert line.split()[1] == variant, line
