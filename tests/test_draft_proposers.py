@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import require_kernel  # noqa: E402
+
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -121,6 +123,10 @@ def test_greedy_output_is_unchanged_under_preemption(target):
 def test_eagle3_shares_a_tied_targets_embedding(tmp_path, quantization):
     """A tied target's embedding reads its rows from its LM head's kernel (the streaming
     kernel's tiled copy, or the quantized weight); a draft without its own shares it all the same."""
+    from atom_core.layers.linear import gemv_ops
+
+    if quantization == "none":
+        require_kernel(gemv_ops())  # the tiled copy is the streaming kernel's
     folder, head = tmp_path / "tied", tmp_path / "head"
     build_tiny_model("llama_tied_rope3", folder, num_hidden_layers=8)
     build_eagle3_head(head, folder, list(range(128)))

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from conftest import require_kernel  # noqa: E402
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
@@ -116,6 +118,9 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
 
 
 def test_expert_and_permuted_blocks_are_exported_exactly(converted, tmp_path):
+    from atom_core.layers.linear import gemv_ops
+
+    require_kernel(gemv_ops())
     """A Q8_0 Mixtral: every expert's blocks and the unpermuted Q/K blocks, beside float weights
     that match them, and the model runs from them with `quantization="auto"`."""
     _, path = converted["mixtral_q8_0"]

@@ -304,7 +304,10 @@ def test_packed_experts_against_float64(dtype, hidden, inter):
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("inter", [96, 40])  # 40: the down projection's K is no multiple of 32 (per channel)
 def test_quantized_experts_against_float64_of_their_dequantized_weights(mode, tokens, inter):
+    from atom_core.layers.linear import gemv_ops
     from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, _quantize
+
+    require_kernel(gemv_ops())
 
     moe = make_moe(hidden=64, inter=inter)
     moe.quant = tuple([_quantize(w, mode, 32) for w in param] for param in (moe.w13, moe.w2))

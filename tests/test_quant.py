@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
+from atom_core.layers.linear import gemv_ops  # noqa: E402
 from conftest import require_kernel  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
@@ -306,6 +307,7 @@ LINEAR_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
     ids=str,
 )
 def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path, qtype, tied, caplog):
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     types = dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}
     path = tmp_path / "tiny.gguf"
     width = dict(hidden=256, ffn=256) if qtype == Q.Q4_K else {}  # super-blocks of 256 along K
@@ -337,6 +339,7 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0], ids=str)
 def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path, qtype):
     """Decode rows (1-8 a step) take the streaming 4-bit kernel, not the prompt path above."""
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}, tied=True)
     folder = folder_from_gguf(path)
@@ -402,6 +405,7 @@ def test_streaming_group_kernel_against_float64(bits, kernel_variant):
 
 
 def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_path, caplog):
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     types = {"q": Q.Q4_1, "k": Q.Q4_1, "v": Q.Q8_0,  # one fused qkv with two formats: requantized to 8 bits
              "o": Q.Q4_0, "gate": Q.Q5_1, "up": Q.Q5_1, "down": Q.F16, "embd": Q.Q8_0, "output": Q.Q4_1}  # fmt: skip
     path = tmp_path / "mixed.gguf"
@@ -436,6 +440,7 @@ def test_gguf_exact_blocks_are_the_folders_weights_and_k_quants_requantize(tmp_p
 def test_a_fused_layer_of_q4_0_and_q8_0_shards_goes_to_8_bits_exactly(tmp_path, caplog):
     """llama.cpp's quantizer gives attn_v more bits than q and k: Q4_0 shards (no zero offset)
     widen to 8 bits exactly, so the fused qkv keeps the file's values instead of requantizing."""
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     types = dict.fromkeys(LINEAR_KINDS, Q.Q4_0) | {"v": Q.Q8_0, "embd": Q.Q8_0, "output": Q.Q8_0}
     path = tmp_path / "mixed.gguf"
     write_tiny_llama(path, types, tied=True)
@@ -476,6 +481,7 @@ def test_auto_loads_a_folder_without_blocks_as_it_is(tmp_path):
     [("int4", "int8", 8), ("int4", "same", 4), ("int8", "none", None), ("int8", "int8", 8)],
 )
 def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mode, head, head_bits):
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, dict.fromkeys((*LINEAR_KINDS, "embd", "output"), Q.F32), tied=True)
     folder = folder_from_gguf(path)
@@ -502,6 +508,7 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_int4_quantizes_moe_experts_expert_by_expert(tmp_path, arch):
+    require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     from model_utils import build_tiny_model
 
     from atom_core.layers import FusedMoE

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from conftest import require_kernel  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from atom_core import SamplingParams  # noqa: E402
@@ -59,6 +61,9 @@ def test_batched_greedy_tokens_equal_transformers_from_the_gguf(engine, prompts,
 def test_penalised_greedy_requests_read_whole_logits_and_equal_transformers(engine, prompts, hf_model):
     """A greedy request with a repetition penalty never takes the screened LM head (whose rows
     are -inf away from the top): its tokens are transformers' with the same penalty."""
+    from atom_core.layers.linear import gemv_ops
+
+    require_kernel(gemv_ops())  # the screen's 8-bit pass is the kernel's
     assert engine.runner.screens_lm_head
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.6)
     results = engine.generate(prompts[:2], params, use_tqdm=False)
@@ -104,12 +109,14 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     kernel at decode rows, torch's int4 kernel with bfloat16 activations for prompts, float32
     between GEMMs) and the Q8_0 LM head's near-top logits are exact: the first answer token,
     "The", leads "L" by only 0.08 in float32."""
-    from atom_core.layers.quant import ExactTopLogits, QuantizedEmbedding, StreamingGroupGemm
+    from atom_core.layers.cpp import kernels_enabled
+    from atom_core.layers.quant import ExactTopLogits, Int4PackGemm, QuantizedEmbedding, StreamingGroupGemm
     from atom_core.loader import GGUF_BLOCKS_FILE
 
     default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
     model = default.runner.model
-    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, StreamingGroupGemm)
+    kernel = StreamingGroupGemm if kernels_enabled() else Int4PackGemm  # ATOM_CPU_KERNELS=0: torch's
+    assert isinstance(model.model.layers[0].mlp.down_proj.packed_weight, kernel)
     assert isinstance(model.lm_head.packed_weight, ExactTopLogits)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # the tied Q8_0 table, no float copy
     with open("/proc/self/maps") as maps:  # its blocks were copied out: the file is not kept mapped

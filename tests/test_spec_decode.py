@@ -6,6 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import require_kernel  # noqa: E402
+
 from atom_core import SamplingParams, hookimpl  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
 from atom_core.speculative import Drafts, Proposer  # noqa: E402
@@ -63,6 +65,9 @@ def test_speculation_makes_every_gemm_batch_invariant(llama, quantization):
     speculative config every Linear's kernel serves every row count alike (float weights:
     oneDNN, the small-row fast path off; quantized groups of 32: the streaming kernel, which
     always is), so greedy tokens equal plain greedy under quantized weights too."""
+    from atom_core.layers.linear import gemv_ops
+
+    require_kernel(gemv_ops())  # what it checks is the kernels' choice between row counts
     from atom_core.layers.linear import gemm_kernels
 
     def invariant(engine):
