@@ -22,7 +22,6 @@ its expert's slice.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from pathlib import Path
