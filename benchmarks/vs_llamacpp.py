@@ -186,10 +186,15 @@ def atom_pp_rate(engine: LLMEngine, prompt: list[int]) -> float:
     return len(prompt) / result["ttft"]
 
 
-def atom_speeds(engine: LLMEngine, args: argparse.Namespace) -> Speeds:
+def workload_prompts(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    """The random token-id prompts: one per sequence of the largest batch, and the pp512 one."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(*VOCAB_RANGE, size=args.prompt_tokens).tolist() for _ in range(max(args.batches))]
-    long_prompt = rng.integers(*VOCAB_RANGE, size=PP_TOKENS).tolist()
+    return prompts, rng.integers(*VOCAB_RANGE, size=PP_TOKENS).tolist()
+
+
+def atom_speeds(engine: LLMEngine, args: argparse.Namespace) -> Speeds:
+    prompts, long_prompt = workload_prompts(args)
     decode = {b: atom_decode_rate(engine, prompts[:b], args.new_tokens) for b in args.batches}
     return Speeds(decode, atom_pp_rate(engine, long_prompt))
 
@@ -207,13 +212,18 @@ def atom_dtypes(engine: LLMEngine) -> str:
 # -- one precision ------------------------------------------------------------------------
 
 
+def start_atom(folder: Path, precision: str, args: argparse.Namespace) -> tuple[LLMEngine, str]:
+    """Atom's engine for one precision, warmed up, and a line saying how it runs."""
+    engine = load_atom(folder, precision, args)
+    engine.generate([[100] * 16] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    return engine, f"Atom {atom_config(precision)}, {atom_dtypes(engine)}"
+
+
 def run_precision(precision: str, folder: Path, gguf: Path, binary: Path, args: argparse.Namespace) -> dict:
     """Atom and llama.cpp alternately, `--rounds` times; the best of each side."""
     commands = (llama_command(binary, gguf, args, args.prompt_tokens, args.new_tokens, args.batches),
                 llama_command(binary, gguf, args, PP_TOKENS, 1, [1]))  # fmt: skip
-    engine = load_atom(folder, precision, args)
-    engine.generate([[100] * 16] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    atom_setup = f"Atom {atom_config(precision)}, {atom_dtypes(engine)}"
+    engine, atom_setup = start_atom(folder, precision, args)
     atom, llama, setup = Speeds(), Speeds(), "?"
     print(f"\n=== {precision}: {atom_setup}; llama.cpp {gguf.name} === {load_average()}", flush=True)
     for r in range(1, args.rounds + 1):

@@ -271,13 +271,14 @@ def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,inter", [(16, 12), (15, 9), (70, 33)], ids=["even", "odd", "past_one_panel"])
-def test_packed_experts_against_float64(dtype, hidden, inter):
+def test_packed_experts_against_float64(dtype, hidden, inter, kernel_variant, monkeypatch):
     """The C++ loop on panel-packed experts: odd K (bfloat16 pads pairs), widths short of and
     past a whole panel, an expert with more rows than one micro-kernel call (kRowBlock) and
-    than one pass over its weights (kChunkRows) take."""
+    than one pass over its weights (kChunkRows) take; in each variant this host runs."""
     from atom_core.layers import moe as moe_module
 
-    require_kernel(moe_module.moe_ops())
+    ops = require_kernel(moe_module.moe_ops(kernel_variant))
+    monkeypatch.setattr(moe_module, "moe_ops", lambda variant=None: ops)
     torch.manual_seed(1)
     moe = FusedMoE(5, hidden, inter).to(dtype)
     with torch.no_grad():
