@@ -338,7 +338,13 @@ inline vi vi_zero() { return _mm256_setzero_si256(); }
 inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vi vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
 inline vf vi_to_float(vi v) { return _mm256_cvtepi32_ps(v); }
-inline vi dot_pairs(vi acc, vi w, vi x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+// The empty asm keeps each sum where it is in its chain: integer adds reassociate, and GCC
+// otherwise computes a whole group's products first and spills them all to add them up.
+inline vi dot_pairs(vi acc, vi w, vi x) {
+  vi sum = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+  asm("" : "+x"(sum));
+  return sum;
+}
 inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vi and_vi(vi a, int16_t m) { return _mm256_and_si256(a, _mm256_set1_epi16(m)); }
@@ -367,6 +373,22 @@ inline void load_w(const uint8_t* tg, int j, int c, vi (&w)[4]) {
   }
 }
 
+// W_p of a tile-group, the columns of vector c (the two-halves path).
+template <int BITS>
+inline vi weight_vector(const uint8_t* tg, int p, int c) {
+  if constexpr (BITS == 4) {
+    const vi v = load_vi(tg + (p / 4) * 64 + c * (64 / kColVecs));
+    switch (p % 4) {
+      case 0: return and_vi(v, 0x0F);
+      case 1: return and_vi(srli16<4>(v), 0x0F);
+      case 2: return and_vi(srli16<8>(v), 0x0F);
+      default: return srli16<12>(v);
+    }
+  } else {
+    return widen_u8(tg + p * 32 + c * (32 / kColVecs));
+  }
+}
+
 // Columns [16 t, 16 t + cols) for rows m0 .. m0 + MB of x.
 template <int MB, int BITS, typename T>
 void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
@@ -383,23 +405,38 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
       simd::prefetch_stream(tg + PREFETCH_GROUPS * GROUP_BYTES + off);
     simd::prefetch_l2(dt + (g + PREFETCH_GROUPS) * QCOLS);
     simd::prefetch_l2(mt + (g + PREFETCH_GROUPS) * QCOLS);
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      vi sums[MB][CH];
-      UNROLL for (int m = 0; m < MB; ++m)
-        UNROLL for (int h = 0; h < CH; ++h) sums[m][h] = vi_zero();
+    vi sums[MB][kColVecs][CH];
+    UNROLL for (int m = 0; m < MB; ++m)
+      UNROLL for (int c = 0; c < kColVecs; ++c)
+        UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
+    const int32_t* xq = reinterpret_cast<const int32_t*>(xs.q.data() + m0 * K + g * 32);  // row m: xq + m K / 2
+    if constexpr (kColVecs == 1) {  // four weight vectors unpacked at once, each serving every row
       UNROLL for (int j = 0; j < 4; ++j) {
         vi w[4];
-        load_w<BITS>(tg, j, c, w);
+        load_w<BITS>(tg, j, 0, w);
         UNROLL for (int m = 0; m < MB; ++m) {
-          const int32_t* xp = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + m) * K + g * 32) + 4 * j;
-          UNROLL for (int h = 0; h < 4; ++h) sums[m][h % CH] = dot_pairs(sums[m][h % CH], w[h], vi_set1(xp[h]));
+          const int32_t* xp = xq + m * K / 2 + 4 * j;
+          UNROLL for (int h = 0; h < 4; ++h) sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xp[h]));
         }
       }
+    } else {
+      // One weight vector (both halves) at a time against every row: with 16 registers,
+      // unpacking four at once and broadcasting each x pair for both halves spilled them all.
+      UNROLL for (int p = 0; p < 16; ++p) {
+        vi w[kColVecs];
+        UNROLL for (int c = 0; c < kColVecs; ++c) w[c] = weight_vector<BITS>(tg, p, c);
+        UNROLL for (int m = 0; m < MB; ++m) {
+          const vi xb = vi_set1(xq[m * K / 2 + p]);
+          UNROLL for (int c = 0; c < kColVecs; ++c) sums[m][c][p % CH] = dot_pairs(sums[m][c][p % CH], w[c], xb);
+        }
+      }
+    }
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
       const vf dv = simd::load(dt + g * QCOLS + c * L), mv = simd::load(mt + g * QCOLS + c * L);
       UNROLL for (int m = 0; m < MB; ++m) {
         const int64_t xg = (m0 + m) * groups + g;
-        vi total = sums[m][0];
-        UNROLL for (int h = 1; h < CH; ++h) total = vi_add(total, sums[m][h]);
+        vi total = sums[m][c][0];
+        UNROLL for (int h = 1; h < CH; ++h) total = vi_add(total, sums[m][c][h]);
         acc[m][c] = simd::fmadd(vi_to_float(total), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
         acc[m][c] = simd::fmadd(mv, simd::set1(xs.sum[xg]), acc[m][c]);
       }
