@@ -127,7 +127,10 @@ def detect(flags: frozenset[str] | None = None, isa: str | None = None, machine:
     runnable = _runnable(flags, machine)
     best = runnable[0]
     if isa:
-        wanted = variant(isa.strip().lower())
+        try:
+            wanted = variant(isa.strip().lower())
+        except ValueError as e:
+            raise ValueError(f"{ENV_ISA}={isa}: {e}") from None
         if wanted not in runnable:
             missing = sorted(wanted.requires - flags) or [machine]
             raise ValueError(f"{ENV_ISA}={isa}: this CPU cannot run it (it lacks {', '.join(missing)})")
@@ -149,7 +152,10 @@ def cap_torch_and_onednn() -> None:
     they too choose as on such a CPU. Needs to run before torch picks (at `import atom_core`)."""
     if not os.environ.get(ENV_ISA):
         return
-    features = cpu_features()
+    try:
+        features = cpu_features()
+    except ValueError:
+        return  # a bad ATOM_CPU_ISA: said by name where the kernels are chosen, not as an import error
     if features.capped:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", features.variant.onednn)
         os.environ.setdefault("ATEN_CPU_CAPABILITY", features.variant.aten)

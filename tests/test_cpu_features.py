@@ -40,7 +40,7 @@ def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
     assert detect(ZEN5, isa="AVX512", machine="x86_64").variants == ("avx512", "avx2", "portable")
     with pytest.raises(ValueError, match=r"ATOM_CPU_ISA=avx512: this CPU cannot run it \(it lacks avx512bw"):
         detect(ZEN3, isa="avx512", machine="x86_64")
-    with pytest.raises(ValueError, match="unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"):
+    with pytest.raises(ValueError, match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"):
         detect(ZEN3, isa="sse9", machine="x86_64")
 
 
