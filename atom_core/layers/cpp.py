@@ -70,6 +70,8 @@ class CppKernel:
         if not kernels_enabled():
             return None
         variant_name = variant_name or cpu_features().variant.name
+        if variant_name not in self._modules and variant_name == cpu_features().variant.name:
+            _build_declared_once(variant_name)
         with self._lock:
             if variant_name not in self._modules:
                 self._modules[variant_name] = self._build(variant_name)
@@ -156,6 +158,23 @@ class CppKernel:
         self._why[variant_name] = why
         logger.warning("atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why)
         return None
+
+
+_declared_built = threading.Event()
+
+
+def _build_declared_once(variant_name: str) -> None:
+    """At a process's first kernel load, build (or load) every declared kernel of this CPU's
+    variant at once, one per core: a first run without `atom kernels` compiles them side by
+    side instead of one after another as the model reaches each."""
+    if _declared_built.is_set():
+        return
+    _declared_built.set()
+    try:
+        kernels = list(declared_kernels().values())
+    except Exception:  # a plugin that fails to load is reported by the registry, not here
+        return
+    build_all([variant_name], kernels)
 
 
 def _first_error(text: str) -> str:
