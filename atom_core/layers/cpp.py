@@ -123,7 +123,10 @@ class CppKernel:
         cxx = compiler()
         if cxx is None:
             return self._unavailable(variant_name, f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)")
-        build_dir = self.build_dir(variant_name)
+        try:
+            build_dir = self.build_dir(variant_name)
+        except OSError as e:  # an unwritable cache folder
+            return self._unavailable(variant_name, f"cannot create its build folder: {e}")
         failed = build_dir / FAILED_FILE
         if failed.is_file():
             try:
@@ -147,9 +150,12 @@ class CppKernel:
             )
         except Exception as e:  # a build error, no ninja, a load error: the torch path still works
             text = str(e)
-            (build_dir / LOG_FILE).write_text(text)
             reason = _first_error(text)
-            failed.write_text(json.dumps({"key": self._key(variant_name, cxx), "reason": reason}))
+            try:
+                (build_dir / LOG_FILE).write_text(text)
+                failed.write_text(json.dumps({"key": self._key(variant_name, cxx), "reason": reason}))
+            except OSError:  # not remembered: tried again next time
+                pass
             return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")
         self._why.pop(variant_name, None)
         return module
