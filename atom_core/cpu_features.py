@@ -68,24 +68,13 @@ def variant(name: str) -> Variant:
     raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANT_NAMES)}")
 
 
-def _proc_flags() -> frozenset[str]:
+def _cpuinfo(*keys: str) -> str:
+    """The value of the first /proc/cpuinfo line starting with one of `keys` ("" if none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            return next((line.partition(":")[2].strip() for line in f if line.startswith(keys)), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
-def _model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model")):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return ""
 
 
 @attrs.frozen
@@ -122,8 +111,9 @@ def _runnable(flags: frozenset[str], machine: str) -> list[Variant]:
 def detect(flags: frozenset[str] | None = None, isa: str | None = None, machine: str | None = None) -> CpuFeatures:
     """The features of this CPU (or of `flags`), capped at `isa` (default: `ATOM_CPU_ISA`)."""
     machine = machine or platform.machine()
-    flags = _proc_flags() if flags is None else flags
+    flags = frozenset(_cpuinfo("flags", "Features").split()) if flags is None else flags
     isa = os.environ.get(ENV_ISA, "") if isa is None else isa
+    model = _cpuinfo("model name", "Model") or platform.processor() or machine
     runnable = _runnable(flags, machine)
     best = runnable[0]
     if isa:
@@ -138,8 +128,8 @@ def detect(flags: frozenset[str] | None = None, isa: str | None = None, machine:
             above = set().union(*(v.requires for v in VARIANTS))
             above |= {f for f in flags if f.startswith(("avx512", "amx")) or f == "avx_ne_convert"}
             flags = flags - (above - wanted.requires)
-            return CpuFeatures(_model_name(), machine, flags, wanted, True)
-    return CpuFeatures(_model_name(), machine, flags, best, False)
+            return CpuFeatures(model, machine, flags, wanted, True)
+    return CpuFeatures(model, machine, flags, best, False)
 
 
 @functools.cache

@@ -218,13 +218,13 @@ def build_all(variants: Sequence[str | None] = (None,), kernels: list[CppKernel]
     return {v: {k.name: k.status(v) for k in kernels} for v in variants}
 
 
-def summary(loaded_only: bool = True) -> str:
+def summary() -> str:
     """One line: the CPU, the variant its kernels run, torch's and oneDNN's levels, and each
-    declared kernel's status (those loaded so far, unless `loaded_only` is False)."""
+    declared kernel's status (those loaded so far)."""
     import torch
 
     features = cpu_features()
-    kernels = [k for k in declared_kernels().values() if not loaded_only or k._modules]
+    kernels = [k for k in declared_kernels().values() if k._modules]
     parts = ", ".join(f"{k.name.removeprefix('atom_')} {k.status()}" for k in kernels)
     return (
         f"{features.summary()}; torch {torch.backends.cpu.get_cpu_capability()}"
