@@ -119,8 +119,8 @@ def test_chunk_size_trades_padding_against_chunk_count():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_serves_a_few_new_tokens_per_request_causally(dtype):
-    """Steps with up to KERNEL_MAX_QUERY_LEN new tokens a request (speculative verification)
-    go through the kernel: token j of n sees the cached prefix and new tokens up to j."""
+    """Steps with a few new tokens a request (speculative verification) take the kernel's
+    per-token path: token j of n sees the cached prefix and new tokens up to j."""
     gen = torch.Generator().manual_seed(7)
     builder, layer = make_builder(dtype, CpuPagedAttention)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -170,6 +170,47 @@ def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group, ke
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+def causal_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale):
+    """float64 softmax(q K^T) V for each request's last `n` of `L` positions, token j seeing keys up to L - n + j."""
+    out, s = torch.empty(q.shape, dtype=torch.float64), 0
+    group = q.shape[1] // k_cache.shape[0]
+    for table, L, n in zip(tables, context_lens, num_new):
+        k = k_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)  # [heads, L, dim]
+        v = v_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)
+        scores = q[s : s + n].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, L]
+        scores.masked_fill_(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], float("-inf"))
+        out[s : s + n] = (scores.softmax(-1) @ v).transpose(0, 1)
+        s += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (128, 2, 4), (64, 1, 1), (576, 1, 5), (96, 2, 2)])
+def test_cpu_kernel_tiles_long_query_runs(dtype, dim, kv_heads, group, kernel_variant):
+    """Prompt chunks (more than a few new tokens) take the tiled path, over a cached prefix or
+    none, with a decode row and a short run in the same call; unwritten slots hold NaN.
+    Head dims 64, 128 and 576 (MLA's latent) tile in float32 and bfloat16; float16 and 96
+    take the per-token loop, in each variant this host runs."""
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
+    gen = torch.Generator().manual_seed(dim * group)
+    bs, nblocks = 16, 96
+    context_lens, num_new = [300, 9, 40, 100, 1, 17, 70], [300, 9, 33, 20, 1, 17, 3]
+    tables = random_tables(context_lens, gen, nblocks)
+    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    k_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    for table, L in zip(tables, context_lens):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
+        for cache in (k_cache, v_cache):
+            cache.view(kv_heads, -1, dim)[:, slots] = torch.randn(kv_heads, L, dim, generator=gen).to(dtype)
+    q = torch.randn(sum(num_new), kv_heads * group, dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
+    out = ops.paged_attention(q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5)
+    ref = causal_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("impl_cls", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_step_of_decode_rows_and_prompt_chunks_matches_reference(dtype, impl_cls):
@@ -186,8 +227,8 @@ def test_a_mixed_step_of_decode_rows_and_prompt_chunks_matches_reference(dtype, 
     meta, q, out = run_step(builder, layer, context_lens, tables, num_new, gen)
     if impl_cls is TorchPagedAttention:
         assert meta.extra["decode_reqs"] == 6  # the decode rows run chunked, the chunks varlen
-    else:
-        assert meta.extra["kernel_reqs"] == 6
+    else:  # head_dim 8 is not tiled: the kernel takes the decode rows, torch the chunks
+        assert meta.extra["kernel_reqs"] == 6 and not layer.impl.tiles(DIM, dtype)
     s = 0
     for table, L, n in zip(tables, context_lens, num_new):
         for j in sorted({0, n // 2, n - 1}):

@@ -1,16 +1,21 @@
 // Paged attention for CPU: reads each request's K/V where they lie in the block pool.
 //
 // The torch path gathers every request's blocks into a fresh tensor before two matrix
-// products; at decode that copy costs as much as the products themselves. Here one task
-// per (request, KV head) walks the request's block table: the scores of the query heads
-// sharing that KV head against the K rows, a float32 softmax, then the weighted sum of
-// the V rows, accumulated in float32 whatever the cache dtype.
+// products; at decode that copy costs as much as the products themselves. A request with
+// a few new tokens (decode, speculative verification) is one task per KV head that walks
+// the block table once per token: the scores of the query heads sharing that KV head
+// against the K rows, a float32 softmax, then the weighted sum of the V rows. A request
+// with a long run of new tokens (a prompt chunk) is tiled: its keys are transposed once
+// per KV head into float32, and each tile of tokens x the group's heads goes over them in
+// chunks with a running (online) softmax, so each K/V value read serves the whole tile.
+// Everything accumulates in float32 whatever the cache dtype.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -207,6 +212,230 @@ constexpr bool kVectorized = D > 0 && D % L == 0 && (std::is_same_v<T, float> ||
 template <typename T, int D>
 using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>>;
 
+// A request with more new tokens than this takes the tiled path.
+constexpr int64_t kShortQuery = 8;
+// Tokens per tile: with the group's heads, the rows that share each chunk of K/V.
+constexpr int64_t kTileTokens = 8;
+
+// The tiled path's inner products for head_dim D (a multiple of the vector width). Keys
+// come in chunks of kChunk = 2 vectors; kt holds a request's keys for one KV head
+// transposed ([D][padded keys], float32), so a chunk's scores for kScoreRows rows stay in
+// registers while d runs, and V rows are read where they lie, once per kAccRows rows.
+template <typename T, int D>
+struct Tiled {
+  static constexpr bool kWide = simd::kRegisters == 32;
+  static constexpr int N = D / L;
+  static constexpr int kChunk = 2 * L;
+  static constexpr int kScoreRows = kWide ? 12 : 6;
+  static constexpr int kSlice = N < 1 ? 1 : N < 4 ? N : 4;
+  static_assert(D == 0 || N % kSlice == 0, "the tiled path takes head dims of a multiple of kSlice vectors");
+  static constexpr int kAccRows = kWide ? 6 : 2;
+
+  // s[r][0..kChunk) = qf[r] . keys c0.. for rows [0, rows).
+  static void scores(const float* qf, int64_t rows, const float* kt, int64_t kt_stride, float* s) {
+    int64_t r0 = 0;
+    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qf + r0 * D, kt, kt_stride, s + r0 * kChunk);
+    if (r0 < rows) by_count<kScoreRows - 1>(rows - r0, [&](auto r) { score_rows<r>(qf + r0 * D, kt, kt_stride, s + r0 * kChunk); });
+  }
+  // acc[r] += sum_t p[r][t] * V row t, for t < n (vrows[t] points at each).
+  static void accumulate(const float* p, int64_t rows, const T* const* vrows, int64_t n, float* acc) {
+    int64_t r0 = 0;
+    for (; r0 + kAccRows <= rows; r0 += kAccRows) acc_rows<kAccRows>(p + r0 * kChunk, vrows, n, acc + r0 * D);
+    if (r0 < rows) by_count<kAccRows - 1>(rows - r0, [&](auto r) { acc_rows<r>(p + r0 * kChunk, vrows, n, acc + r0 * D); });
+  }
+
+ private:
+  // f(std::integral_constant<int, n>) for a run-time n in [1, kMax]: the row loops below
+  // unroll fully for a compile-time count (a run-time bound left a compare per row per step).
+  template <int kMax, typename F>
+  static void by_count(int64_t n, F&& f) {
+    if constexpr (kMax > 0) {
+      if (n == kMax) return f(std::integral_constant<int, kMax>{});
+      by_count<kMax - 1>(n, f);
+    }
+  }
+  template <int R>
+  static void score_rows(const float* qf, const float* kt, int64_t kt_stride, float* s) {
+    vf a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
+    for (int d = 0; d < D; ++d) {
+      const vf k0 = simd::load(kt + d * kt_stride), k1 = simd::load(kt + d * kt_stride + L);
+      for (int r = 0; r < R; ++r) {
+        const vf b = simd::set1(qf[r * D + d]);
+        a[r][0] = simd::fmadd(b, k0, a[r][0]);
+        a[r][1] = simd::fmadd(b, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      simd::store(s + r * kChunk, a[r][0]);
+      simd::store(s + r * kChunk + L, a[r][1]);
+    }
+  }
+  template <int R>
+  static void acc_rows(const float* p, const T* const* vrows, int64_t n, float* acc) {
+    for (int c = 0; c < N; c += kSlice) {
+      vf av[R][kSlice];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kSlice; ++i) av[r][i] = simd::load(acc + r * D + L * (c + i));
+      for (int64_t t = 0; t < n; ++t) {
+        vf x[kSlice];
+        for (int i = 0; i < kSlice; ++i) x[i] = simd::load(vrows[t] + L * (c + i));
+        for (int r = 0; r < R; ++r) {
+          const vf w = simd::set1(p[r * kChunk + t]);
+          for (int i = 0; i < kSlice; ++i) av[r][i] = simd::fmadd(w, x[i], av[r][i]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kSlice; ++i) simd::store(acc + r * D + L * (c + i), av[r][i]);
+    }
+  }
+};
+
+// The tiled path for request r's tokens [j0, j1) and KV head h. kt: the request's keys for
+// that head, transposed. Row i of the tile is token j0 + i / group, query head h * group + i % group.
+template <typename T, int D>
+void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
+                 int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const float* kt,
+                 int64_t kt_stride, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
+                 int64_t block_size, float scale, std::vector<float>& work, std::vector<const T*>& vrows) {
+  using K = Tiled<T, D>;
+  constexpr int C = K::kChunk;
+  const int64_t rows = (j1 - j0) * group;
+  work.resize(rows * (2 * D + C + 2));
+  float* qf = work.data();
+  float* acc = qf + rows * D;
+  float* s = acc + rows * D;
+  float* m = s + rows * C;
+  float* l = m + rows;
+  vrows.resize(C);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(src[d]) * scale;
+    m[i] = -std::numeric_limits<float>::infinity();
+    l[i] = 0.f;
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const int64_t first = context - n;  // position of the request's first new token
+  const int64_t keys = first + j1;  // keys the tile's last token sees
+  for (int64_t c0 = 0; c0 < keys; c0 += C) {
+    const int64_t cn = std::min<int64_t>(C, keys - c0);
+    K::scores(qf, rows, kt + c0, kt_stride, s);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* si = s + i * C;
+      const int64_t seen = std::min<int64_t>(cn, first + j0 + i / group + 1 - c0);  // causal
+      if (seen <= 0) {
+        std::fill(si, si + C, 0.f);
+        continue;
+      }
+      float mx = m[i], sum = 0.f;
+      if (seen == C) {  // every key of the chunk is seen: no mask
+        mx = std::max(mx, simd::reduce_max(simd::max(simd::load(si), simd::load(si + L))));
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < C; ++t) {
+          si[t] = exp_nonpositive(si[t] - mx);
+          sum += si[t];
+        }
+      } else {
+        for (int64_t t = 0; t < seen; ++t) mx = std::max(mx, si[t]);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < C; ++t) {
+          const float e = t < seen ? exp_nonpositive(si[t] - mx) : 0.f;
+          si[t] = e;
+          sum += e;
+        }
+      }
+      if (mx != m[i]) {
+        const float alpha = l[i] == 0.f ? 0.f : exp_nonpositive(m[i] - mx);
+        float* ai = acc + i * D;
+        const vf va = simd::set1(alpha);
+        for (int d = 0; d < D; d += L) simd::store(ai + d, simd::mul(va, simd::load(ai + d)));
+        l[i] *= alpha;
+        m[i] = mx;
+      }
+      l[i] += sum;
+    }
+    for (int64_t t = 0; t < cn; ++t) {
+      const int64_t key = c0 + t;
+      vrows[t] = vbase + table[key / block_size] * vb + (key % block_size) * vr;
+    }
+    K::accumulate(s, rows, vrows.data(), cn, acc);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    T* dst = op + (start + j0 + i / group) * os0 + (h * group + i % group) * os1;
+    const float inv = 1.f / l[i];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+  }
+}
+
+// The per-token path: request r's tokens [start, start + n) over KV head h, one token at a time.
+template <typename T, int D>
+void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start,
+                   int64_t n, int64_t context, int64_t h, int64_t group, int64_t dim, const T* kbase,
+                   const T* vbase, const int64_t* table, int64_t kb, int64_t kr, int64_t vb, int64_t vr,
+                   int64_t block_size, float fscale, std::vector<float>& qf, std::vector<float>& acc,
+                   std::vector<float>& denom, std::vector<float>& scores) {
+  using R = Rows<T, D>;
+  qf.resize(group * dim);
+  acc.resize(group * dim);
+  denom.resize(group);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t tok = start + j;
+    const int64_t len = context - n + j + 1;  // keys this query sees
+    scores.resize(group * len);
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = qp + tok * qs0 + (h * group + g) * qs1;
+      for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
+    }
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t first = b * block_size, rows = std::min(block_size, len - first);
+      const int64_t a = b + kPrefetchAhead;  // past the last K block: the first V blocks
+      const T* ahead = a < nblocks ? kbase + table[a] * kb : a < 2 * nblocks ? vbase + table[a - nblocks] * vb : nullptr;
+      for (int64_t g = 0; g < group; g += R::kHeads)
+        R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
+                  kbase + table[b] * kb, kr, rows, dim, scores.data() + g * len + first, len,
+                  g == 0 ? ahead : nullptr);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * len;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < len; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - m);
+        sum += sg[t];
+      }
+      denom[g] = sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t first = b * block_size, rows = std::min(block_size, len - first);
+      const T* ahead = b + kPrefetchAhead < nblocks ? vbase + table[b + kPrefetchAhead] * vb : nullptr;
+      for (int64_t g = 0; g < group; g += R::kHeads)
+        R::accumulate(scores.data() + g * len + first, len, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
+                      vbase + table[b] * vb, vr, rows, dim, acc.data() + g * dim, g == 0 ? ahead : nullptr);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      T* dst = op + tok * os0 + (h * group + g) * os1;
+      const float inv = 1.f / denom[g];
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+    }
+  }
+}
+
+// Request r's keys for KV head h, float32, transposed into kt[d * stride + t]; the
+// padding past its last key stays zero.
+template <typename T>
+void transpose_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr, int64_t block_size,
+                    int64_t keys, int64_t dim, float* kt, int64_t stride) {
+  for (int64_t t = 0; t < keys; ++t) {
+    const T* row = kbase + table[t / block_size] * kb + (t % block_size) * kr;
+    for (int64_t d = 0; d < dim; ++d) kt[d * stride + t] = to_float(row[d]);
+  }
+}
+
 // q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
 // [query_start_loc[i], query_start_loc[i + 1]), the last n of its context_lens[i]
@@ -215,7 +444,7 @@ template <typename T, int D>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
-  using R = Rows<T, D>;
+  constexpr bool kTiled = kVectorized<T, D>;
   const int64_t num_reqs = context_lens.size(0);
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), block_size = k_cache.size(2);
@@ -234,58 +463,60 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), denom(group), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t n = starts[r + 1] - starts[r];
+  // Tasks: (request, KV head, first token of a tile, or -1 for the per-token path), with
+  // the work each does; the longest go first and threads take the next one as they finish.
+  struct Task {
+    int64_t r, h, j0, cost;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> kt_offset(num_reqs, -1);  // into kt, for requests on the tiled path
+  int64_t kt_size = 0;
+  constexpr int64_t kChunk = kTiled ? Tiled<T, D>::kChunk : 1;
+  auto padded = [&](int64_t r) { return (ctx[r] + kChunk - 1) / kChunk * kChunk; };
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = starts[r + 1] - starts[r];
+    if (!kTiled || n <= kShortQuery) {
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, h, -1, n * ctx[r]});
+      continue;
+    }
+    kt_offset[r] = kt_size;
+    kt_size += kv_heads * dim * padded(r);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t j0 = 0; j0 < n; j0 += kTileTokens)
+        tasks.push_back({r, h, j0, std::min(kTileTokens, n - j0) * (ctx[r] - n + std::min(n, j0 + kTileTokens))});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+
+  std::vector<float> kt(kt_size);
+  if (kt_size > 0) {
+    at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / kv_heads, h = i % kv_heads;
+        if (kt_offset[r] < 0) continue;
+        const int64_t stride = padded(r);
+        transpose_keys(kp + h * kh, tables + r * max_blocks, kb, kr, block_size, ctx[r], dim,
+                       kt.data() + kt_offset[r] + h * dim * stride, stride);
+      }
+    });
+  }
+
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf, acc, denom, scores;
+    std::vector<const T*> vrows;
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const Task& task = tasks[i];
+      const int64_t r = task.r, h = task.h, n = starts[r + 1] - starts[r];
       const int64_t* table = tables + r * max_blocks;
-      const T* kbase = kp + h * kh;
-      const T* vbase = vp + h * vh;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t tok = starts[r] + j;
-        const int64_t len = ctx[r] - n + j + 1;  // keys this query sees
-        scores.resize(group * len);
-        for (int64_t g = 0; g < group; ++g) {
-          const T* src = qp + tok * qs0 + (h * group + g) * qs1;
-          for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
-        }
-        const int64_t nblocks = (len + block_size - 1) / block_size;
-        for (int64_t b = 0; b < nblocks; ++b) {
-          const int64_t start = b * block_size, rows = std::min(block_size, len - start);
-          const int64_t a = b + kPrefetchAhead;  // past the last K block: the first V blocks
-          const T* ahead = a < nblocks ? kbase + table[a] * kb : a < 2 * nblocks ? vbase + table[a - nblocks] * vb : nullptr;
-          for (int64_t g = 0; g < group; g += R::kHeads)
-            R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
-                      kbase + table[b] * kb, kr, rows, dim, scores.data() + g * len + start, len,
-                      g == 0 ? ahead : nullptr);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * len;
-          float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-          for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < len; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - m);
-            sum += sg[t];
-          }
-          denom[g] = sum;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b = 0; b < nblocks; ++b) {
-          const int64_t start = b * block_size, rows = std::min(block_size, len - start);
-          const T* ahead = b + kPrefetchAhead < nblocks ? vbase + table[b + kPrefetchAhead] * vb : nullptr;
-          for (int64_t g = 0; g < group; g += R::kHeads)
-            R::accumulate(scores.data() + g * len + start, len, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
-                          vbase + table[b] * vb, vr, rows, dim, acc.data() + g * dim, g == 0 ? ahead : nullptr);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          T* dst = op + tok * os0 + (h * group + g) * os1;
-          const float inv = 1.f / denom[g];
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
-        }
+      if (task.j0 < 0) {
+        attend_tokens<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
+                            vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, qf, acc, denom, scores);
+      } else if constexpr (kTiled) {
+        const int64_t stride = padded(r);
+        attend_tile<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
+                          std::min(n, task.j0 + kTileTokens), h, group, kt.data() + kt_offset[r] + h * dim * stride,
+                          stride, vp + h * vh, table, vb, vr, block_size, fscale, qf, vrows);
       }
     }
   });
@@ -367,4 +598,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of new tokens over their paged KV (CPU)");
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
+  // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
+  // others walk the keys once per token. dispatch_dim instantiates these.
+  static_assert(kVectorized<float, 64> && kVectorized<float, 128> && kVectorized<float, 576>);
+  m.attr("TILED_HEAD_DIMS") = pybind11::make_tuple(64, 128, 576);
 }
