@@ -38,7 +38,7 @@ def near_tie_weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tens
 
 
 def screen_of(w: torch.Tensor) -> tuple[ArgmaxScreen, torch.Tensor]:
-    """An LM head's screen, and the packed weight its plain head takes past 8 rows."""
+    """An LM head's screen, and the packed weight its plain head takes past MAX_ROWS rows."""
     gemm, packed = pick_gemm(w)
     return ArgmaxScreen(gemm), packed
 
@@ -60,7 +60,7 @@ def test_screened_argmax_and_kept_logits_are_the_plain_heads(dtype, with_bias):
     bias = torch.randn(n).to(dtype) if with_bias else None
     screen, packed = screen_of(w)
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 33):
         for trial in range(20):
             # rows aimed at a near-tie pair (and the exact tie), plus a random one
             targets = torch.randint(0, n, (rows,), generator=g)
@@ -95,7 +95,7 @@ def test_a_bound_of_zero_would_pick_wrong_tokens():
 def test_rows_it_cannot_serve_take_the_plain_head():
     w = near_tie_weight(300, 64, torch.float32, seed=2)
     screen, packed = screen_of(w)
-    x = torch.randn(9, 64)  # more rows than the streaming kernel's 8
+    x = torch.randn(int(screen.inner.max_rows) + 1, 64)  # more rows than the streaming kernel takes
     assert torch.equal(screened(screen, x, packed), screen.inner(x, packed, None))
     x = torch.randn(1, 64)
     x[0, 3] = float("nan")

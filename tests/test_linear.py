@@ -1,4 +1,4 @@
-"""`Linear` after loading: the packed oneDNN GEMM on CPU, and the weight-streaming kernel at 1-8 rows."""
+"""`Linear` after loading: the packed oneDNN GEMM on CPU, and the weight-streaming kernel at 1 to MAX_ROWS (64) rows."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
 
     layer.gemm.ops = Spy()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for rows in (1, 8, 9, 64):
+    for rows in (1, 8, 64, 65, 200):
         x = torch.randn(rows, 96).to(dtype)
         torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().T + b.double(), **tol)
-    assert calls == ([1, 8, 9, 64] if every_row else [1, 8])
+    assert calls == ([1, 8, 64, 65, 200] if every_row else [1, 8, 64])

@@ -31,7 +31,7 @@ whose class declares that a greedy row reads its argmax alone (`greedy_reads_arg
 not inherited). The 8-bit copy (0.4 s for SmolLM2) is made at load for a target model
 whose sampler can use it (`linear.prepare_lm_head_screens`), else at the first screened
 step, so a head that never screens (a draft's, or a target's under speculative decoding,
-whose GEMMs are batch-invariant) costs nothing. Rows beyond the streaming kernel's (over 8),
+whose GEMMs are batch-invariant) costs nothing. Rows beyond the streaming kernel's (over MAX_ROWS),
 rows that are not finite, a head with a bias that is not finite, and rows whose kept
 logits would be more than an eighth of the vocabulary (a flat row) take the plain head.
 ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
@@ -119,7 +119,7 @@ class ArgmaxScreen:
         return out
 
     def make_batch_invariant(self) -> None:
-        """The plain head's one kernel at every row count; the screen (a 1-8 row path) goes."""
+        """The plain head's one kernel at every row count; the screen (a 1 to MAX_ROWS row path) goes."""
         self.inner.make_batch_invariant()
         self.kernel, self.usable = None, False
 

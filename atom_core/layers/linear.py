@@ -12,7 +12,8 @@ the plain weight (a tied embedding then reads the streaming kernel's copy). Othe
 (`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
 
 At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
-under the memory's pace; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
+under the memory's pace, and up to 64 rows (batched decode) oneDNN still rereads the
+weight from memory at a lower pace than this kernel computes; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
 or near the machine's copy bandwidth (`benchmarks/gemv_bandwidth.py`, README's Kernels),
 from its own copy of the weight in tiles of two vectors' rows (`gemv_weight`), placed in huge pages
 (`memory.weight_arena`) and kept beside the packed one: float weights take twice their
@@ -185,7 +186,7 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
 def batch_invariant_gemms(model: nn.Module) -> None:
     """Give every Linear of `model` one kernel for every row count, so a row's result does not
     depend on how many rows share its step (float weights: oneDNN at every row count, the
-    streaming kernel's 1-8 row path off; 4- and 8-bit groups: the streaming kernel at every
+    streaming kernel's 1 to MAX_ROWS row path off; 4- and 8-bit groups: the streaming kernel at every
     row count, which rounds each row alike).
 
     Why: speculative decoding verifies a request's drafts in a step of k + 1 rows per

@@ -1,5 +1,5 @@
 // Weight-streaming GEMM: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built for decode steps (M of
-// 1 to 8 rows), and serving any M where oneDNN has no kernel for the weights' dtype
+// 1 to MAX_ROWS rows), and serving any M where oneDNN has no kernel for the weights' dtype
 // (bfloat16 on CPUs without AVX-512).
 //
 // At a few rows a Linear is a stream over its weight: each weight is read once and used M
@@ -178,7 +178,10 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
 
 }  // namespace
 
-constexpr int64_t MAX_ROWS = 8;
+// Up to this many rows, Linear takes this kernel over oneDNN's packed GEMM (which rereads
+// weights from memory more slowly than this kernel computes, up to about this row count;
+// benchmarks/decode_profile.py --batch 32).
+constexpr int64_t MAX_ROWS = 64;
 
 // y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 [ceil(N / TILE), K,
 // TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
