@@ -258,10 +258,21 @@ namespace {
 constexpr int64_t PREFETCH_GROUPS = 32;  // how far ahead in a tile's stream (8 KiB at 4 bits)
 constexpr int QCOLS = 16;  // output columns per tile: the layout, whatever the vector width
 
-// x as int16 per group of 32, with dx and the float32 sum of each group.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int QROWS = simd::kRegisters == 32 ? 8 : 4;  // rows of x each unpacked weight vector serves
+#else
+constexpr int QROWS = 1;
+#endif
+
+// x as int16 per group of 32, with dx and the float32 sum of each group. Rows are
+// interleaved in blocks of QROWS, so that the rows a pass takes are one pointer with
+// constant offsets (a pointer per row ran out of general registers and spilled).
 struct Q16Rows {
-  std::vector<int16_t> q;  // [M][K]
-  std::vector<float> scale, sum;  // [M][K / 32]
+  std::vector<int32_t> q;  // int16 pairs (k = 2p, 2p + 1): see pair()
+  std::vector<float> scale, sum;  // see group()
+  int64_t pairs = 0, groups = 0;  // per row
+  int64_t pair(int64_t m, int64_t p) const { return ((m / QROWS) * pairs + p) * QROWS + m % QROWS; }
+  int64_t group(int64_t m, int64_t g) const { return ((m / QROWS) * groups + g) * QROWS + m % QROWS; }
 };
 
 // One group of 32 values: q = round(x / dx) (to nearest even, as the vector conversions),
@@ -300,13 +311,21 @@ inline void quantize_group(const T* x, int16_t* q, float& scale, float& sum) {
 
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
-  const int64_t groups = M * K / 32;
-  out.q.resize(M * K);
-  out.scale.resize(groups);
-  out.sum.resize(groups);
+  const int64_t padded = (M + QROWS - 1) / QROWS * QROWS;
+  out.pairs = K / 2;
+  out.groups = K / 32;
+  out.q.resize(padded * out.pairs);
+  out.scale.resize(padded * out.groups);
+  out.sum.resize(padded * out.groups);
   // Groups are independent: a prefill's worth (512 x 1536 values) is split over the threads.
-  at::parallel_for(0, groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) quantize_group(x + g * 32, out.q.data() + g * 32, out.scale[g], out.sum[g]);
+  at::parallel_for(0, M * out.groups, 256, [&](int64_t begin, int64_t end) {
+    alignas(64) int16_t q[32];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / out.groups, g = i % out.groups;
+      quantize_group(x + i * 32, q, out.scale[out.group(m, g)], out.sum[out.group(m, g)]);
+      int32_t* dst = out.q.data() + out.pair(m, 16 * g);
+      for (int p = 0; p < 16; ++p) std::memcpy(dst + p * QROWS, q + 2 * p, sizeof(int32_t));
+    }
   });
 }
 
@@ -325,8 +344,10 @@ inline vf vi_to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vi dot_pairs(vi acc, vi w, vi x) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, w, x);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#else  // as the AVX2 path below: the empty asm keeps each sum in its chain
+  vi sum = _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+  asm("" : "+v"(sum));
+  return sum;
 #endif
 }
 inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -355,7 +376,6 @@ template <int S>
 inline vi srli16(vi a) { return _mm256_srli_epi16(a, S); }
 #endif
 
-constexpr int QROWS = simd::kRegisters == 32 ? 8 : 4;  // rows of x each unpacked weight vector serves
 // Chains of integer sums a row: exact, so how they are split is free. With vpdpwssd a single
 // row gets four, or its latency (not the weight stream) sets the pace: a 1-row LM head ran
 // slower than a 2-row one.
@@ -412,14 +432,14 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
     UNROLL for (int m = 0; m < MB; ++m)
       UNROLL for (int c = 0; c < kColVecs; ++c)
         UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
-    const int32_t* xq = reinterpret_cast<const int32_t*>(xs.q.data() + m0 * K + g * 32);  // row m: xq + m K / 2
+    const int32_t* xq = xs.q.data() + xs.pair(m0, 16 * g);  // row m0 + m, pair p: xq[p * QROWS + m]
     if constexpr (kColVecs == 1) {  // four weight vectors unpacked at once, each serving every row
       UNROLL for (int j = 0; j < 4; ++j) {
         vi w[4];
         load_w<BITS>(tg, j, 0, w);
         UNROLL for (int m = 0; m < MB; ++m) {
-          const int32_t* xp = xq + m * K / 2 + 4 * j;
-          UNROLL for (int h = 0; h < 4; ++h) sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xp[h]));
+          UNROLL for (int h = 0; h < 4; ++h)
+            sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xq[(4 * j + h) * QROWS + m]));
         }
       }
     } else {
@@ -429,7 +449,7 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
         vi w[kColVecs];
         UNROLL for (int c = 0; c < kColVecs; ++c) w[c] = weight_vector<BITS>(tg, p, c);
         UNROLL for (int m = 0; m < MB; ++m) {
-          const vi xb = vi_set1(xq[m * K / 2 + p]);
+          const vi xb = vi_set1(xq[p * QROWS + m]);
           UNROLL for (int c = 0; c < kColVecs; ++c) sums[m][c][p % CH] = dot_pairs(sums[m][c][p % CH], w[c], xb);
         }
       }
@@ -437,7 +457,7 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
     UNROLL for (int c = 0; c < kColVecs; ++c) {
       const vf dv = simd::load(dt + g * QCOLS + c * L), mv = simd::load(mt + g * QCOLS + c * L);
       UNROLL for (int m = 0; m < MB; ++m) {
-        const int64_t xg = (m0 + m) * groups + g;
+        const int64_t xg = xs.group(m0, g) + m;
         vi total = sums[m][c][0];
         UNROLL for (int h = 1; h < CH; ++h) total = vi_add(total, sums[m][c][h]);
         acc[m][c] = simd::fmadd(vi_to_float(total), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
@@ -474,8 +494,6 @@ void qgemm_block(int MB, const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t
 
 #else  // portable: the same sums in scalar code
 
-constexpr int QROWS = 1;
-
 // Column col's value at k (0..31) of a tile-group, as the vector code unpacks it.
 template <int BITS>
 inline int32_t weight_at(const uint8_t* tg, int col, int k) {
@@ -497,10 +515,10 @@ void qgemm_block(int, const Q16Rows& xs, int64_t m, int64_t K, const uint8_t* wt
     float acc = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* tg = wt + g * BITS * 64;
-      const int16_t* xq = xs.q.data() + m * K + g * 32;
+      const int16_t* xq = reinterpret_cast<const int16_t*>(xs.q.data() + xs.pair(m, 16 * g));
       int32_t sum = 0;
       for (int k = 0; k < 32; ++k) sum += weight_at<BITS>(tg, c, k) * xq[k];
-      const int64_t xg = m * groups + g;
+      const int64_t xg = xs.group(m, g);
       acc += static_cast<float>(sum) * (to_float(dt[g * QCOLS + c]) * xs.scale[xg]);
       acc += to_float(mt[g * QCOLS + c]) * xs.sum[xg];
     }
