@@ -14,7 +14,8 @@ data-dependent). What the op returns is declared by the module's `out_features` 
 out_features], the dtype of its first input). Everything else is traced, as one graph
 (`fullgraph=True`): it is compiled whole before any layer of the step runs, so a failure
 never leaves a step half done. Layers' C++ elementwise kernels step aside while tracing
-(`torch.compiler.is_compiling()`), the streaming GEMV runs as the torch op `atom_gemv_<variant>::gemv`.
+(`torch.compiler.is_compiling()`), the streaming GEMV runs as the torch op `atom_gemv_<variant>::gemv`
+and oneDNN's packed GEMM as `atom::onednn_linear`.
 
 Steps of up to `MAX_TOKENS` tokens (decode rows, drafts, short chunks) take the compiled
 graph: one for a single token, one with a dynamic token count for the rest. Longer steps
