@@ -21,7 +21,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-
 from atom_core import SamplingParams, get_registry  # noqa: E402
 from atom_core.compile import MAX_TOKENS, CompiledForward, compile_model  # noqa: E402
 from atom_core.llm_engine import LLMEngine  # noqa: E402
