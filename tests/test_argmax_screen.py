@@ -154,6 +154,8 @@ def test_only_lm_heads_are_screened(monkeypatch):
         screen = screen_lm_head(StreamingGemm(torch.randn(256, 64), ops))
         assert isinstance(screen, ArgmaxScreen) and screen.kernel is None  # the 8-bit copy waits for a greedy step
         assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 48), ops)), ArgmaxScreen)  # K % 32
+        # bfloat16 weights: the 8-bit copy reads little less and computes more (not screened)
+        assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64).to(torch.bfloat16), ops)), ArgmaxScreen)
         monkeypatch.setenv("ATOM_DISABLE_ARGMAX_SCREEN", "1")
         assert not isinstance(screen_lm_head(StreamingGemm(torch.randn(256, 64), ops)), ArgmaxScreen)
 

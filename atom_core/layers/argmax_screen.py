@@ -34,7 +34,7 @@ step, so a head that never screens (a draft's, or a target's under speculative d
 whose GEMMs are batch-invariant) costs nothing. Rows beyond the streaming kernel's (over MAX_ROWS),
 rows that are not finite, a head with a bias that is not finite, and rows whose kept
 logits would be more than an eighth of the vocabulary (a flat row) take the plain head.
-ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
+Only float32 heads get one (`SCREENED_WEIGHTS`); ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
 """
 
 from __future__ import annotations
@@ -128,12 +128,18 @@ class ArgmaxScreen:
         return self.inner.batch_invariant
 
 
+# Weight dtypes whose heads get a screen: float32's 4 bytes a weight against the copy's 1.125.
+# A bfloat16 head (2 bytes) measured slower screened, at 1 row and at 32: the 8-bit kernel's
+# integer work costs more than the bytes it saves (docs/performance.md).
+SCREENED_WEIGHTS = (torch.float32,)
+
+
 def screen_lm_head(gemm: Any) -> Any:
-    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, on a float
+    """`gemm` wrapped in an `ArgmaxScreen` where it applies (the streaming kernel, on a float32
     weight with in_features in whole groups of 32); else `gemm` itself."""
     streaming = all(hasattr(gemm, a) for a in ("max_rows", "ops", "rows", "columns", "make_batch_invariant"))
     if os.environ.get("ATOM_DISABLE_ARGMAX_SCREEN") or not streaming:
         return gemm
-    if gemm.in_features % GROUP or gemm.dtype not in EPS:
+    if gemm.in_features % GROUP or gemm.dtype not in SCREENED_WEIGHTS:
         return gemm
     return ArgmaxScreen(gemm)
