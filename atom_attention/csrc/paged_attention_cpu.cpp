@@ -100,9 +100,10 @@ namespace simd = atom::simd;
 using simd::vf;
 constexpr int L = simd::kLanes;
 
+constexpr bool kWide = simd::kRegisters == 32;  // AVX-512's 32 vector registers, else 16
+
 template <typename T, int D>
 struct VecRows {
-  static constexpr bool kWide = simd::kRegisters == 32;  // AVX-512's 32 registers, else 16
   static constexpr int N = D > 0 ? D / L : 1;  // registers per row
   // Heads per pass: accumulators stay within the registers. scores keeps kHeads x 4 sums;
   // accumulate keeps whole rows for kHeads heads up to kWhole registers a row, past that
@@ -223,7 +224,6 @@ constexpr int64_t kTileTokens = 8;
 // registers while d runs, and V rows are read where they lie, once per kAccRows rows.
 template <typename T, int D>
 struct Tiled {
-  static constexpr bool kWide = simd::kRegisters == 32;
   static constexpr int N = D / L;
   static constexpr int kChunk = 2 * L;
   static constexpr int kScoreRows = kWide ? 12 : 6;

@@ -13,10 +13,10 @@ the plain weight (a tied embedding then reads the streaming kernel's copy). Othe
 
 At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
 under the memory's pace, and up to 64 rows (batched decode) oneDNN still rereads the
-weight from memory at a lower pace than this kernel computes; the weight-streaming kernel in `csrc/gemv_cpu.cpp` reads it at
-or near the machine's copy bandwidth (`benchmarks/gemv_bandwidth.py`, README's Kernels),
-from its own copy of the weight in tiles of two vectors' rows (`gemv_weight`), placed in huge pages
-(`memory.weight_arena`) and kept beside the packed one: float weights take twice their
+weight from memory at a lower pace than this kernel computes; the weight-streaming kernel
+in `csrc/gemv_cpu.cpp` reads it at or near the machine's copy bandwidth
+(`benchmarks/gemv_bandwidth.py`, README's Kernels), from its own copy of the weight in
+tiles of two vectors' rows (`gemv_weight`), placed in huge pages (`memory.weight_arena`) and kept beside the packed one: float weights take twice their
 size in memory on CPU (ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every
 row count). An embedding tied to a streamed head reads its rows from the tiled copy
 (`StreamedEmbedding`), so a tied table is not held a third time.
