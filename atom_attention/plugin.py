@@ -5,9 +5,9 @@ from atom_core import hookimpl
 
 @hookimpl
 def atom_register_attention_builders(registry):
-    registry.register("mha", "atom_attention.mha:MHAMetadataBuilder")
-    registry.register("mla", "atom_attention.mla:MLAMetadataBuilder")
-    registry.register("gdn", "atom_attention.gdn:GDNMetadataBuilder")
+    registry.register("mha", "atom_attention.mha.builder:MHAMetadataBuilder")
+    registry.register("mla", "atom_attention.mla.builder:MLAMetadataBuilder")
+    registry.register("gdn", "atom_attention.gdn.builder:GDNMetadataBuilder")
 
 
 @hookimpl

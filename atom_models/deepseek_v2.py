@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, Joined, moe_tensors
+from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, moe_tensors
 from atom_core.layers import (
     Linear,
     MergedLinear,
@@ -31,7 +31,7 @@ from atom_core.layers import (
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import QWEN_EXPERT_NAMES, FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
-from atom_core.loader import SKIP, packed_target
+from atom_core.loading.checkpoint import SKIP, packed_target
 from atom_models.llama import LLAMA_GGUF_TENSORS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 

@@ -8,7 +8,7 @@ import torch
 from gguf import MODEL_TENSOR as T, Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile
+from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile
 from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope, silu_and_mul
 
 

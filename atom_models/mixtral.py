@@ -8,7 +8,7 @@ from typing import Any
 from gguf import Keys
 from torch import nn
 
-from atom_core.gguf_arch import GGUFArchitecture, GGUFFile, moe_tensors
+from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_core.layers import FusedMoE
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
 from atom_models.llama import (

@@ -19,7 +19,7 @@ from torch import nn
 from atom_core.forward_context import get_forward_context
 from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary
 from atom_core.layers.rotary import rope_parameters
-from atom_core.loader import SKIP
+from atom_core.loading.checkpoint import SKIP
 from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock

@@ -39,8 +39,8 @@ from torch import nn
 
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context
 from atom_core.layers.embedding import LookupEmbedding
-from atom_core.loader import SKIP, safetensors_files
-from atom_core.speculative import Drafts, ProposalInput, Proposer
+from atom_core.loading.checkpoint import SKIP, safetensors_files
+from atom_core.sched.speculative import Drafts, ProposalInput, Proposer
 
 
 @attrs.define(kw_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from atom_core.plugins import get_registry
+from atom_core.plugins.manager import get_registry
 from atom_spec.draft import DraftModelProposer, build_draft_module, checkpoint_names, next_layer_id, target_embedding
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atom_core.speculative import Drafts, ProposalInput, Proposer
+from atom_core.sched.speculative import Drafts, ProposalInput, Proposer
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

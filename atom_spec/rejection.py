@@ -28,7 +28,7 @@ while it equals the target's argmax, and the token emitted after it is that argm
 the output is token for token what non-speculative greedy decoding gives.
 
 Tokens are drawn with the exponential race (argmax of r / E, E ~ Exp(1)) as in
-`atom_core.sampler`, which samples from r without normalising it. For a seeded request
+`atom_core.runner.sampler`, which samples from r without normalising it. For a seeded request
 the position that emits token index t uses a generator seeded with `_mix(seed, t)`:
 first one uniform for the acceptance test (draft positions only), then the race's noise.
 A request with no drafts therefore gets exactly the token `Sampler` would give it.
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from atom_core.layers.ops import argmax
-from atom_core.sampler import SamplingMetadata, _mix, processed_probs
+from atom_core.runner.sampler import SamplingMetadata, _mix, processed_probs
 
 __all__ = ["RejectionSampler"]
 

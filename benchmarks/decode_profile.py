@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from atom_core import SamplingParams
-from atom_core.fetch import fetch_default_model
+from atom_core.engine.fetch import fetch_default_model
 from atom_core.layers.linear import Linear
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.llm_engine import LLMEngine
 
 
 def timed(fn, totals: dict[str, float], key: str):

@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernel speed: atom_attention.gdn_ops against transformers' torch fallback.
+"""Gated DeltaNet kernel speed: atom_attention.gdn.ops against transformers' torch fallback.
 
 One Qwen3-Next linear-attention layer's shapes (16 key heads, 32 value heads, head dims
 128, float32 state). Decode: one token for batch 1/8/64 requests whose states live in a
@@ -56,7 +56,7 @@ def main() -> None:
 
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
-    from atom_attention.gdn_ops import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
+    from atom_attention.gdn.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
     hk, hv, dk, dv = args.hk, args.hv, args.dk, args.dv
     print(f"threads={args.threads} Hk={hk} Hv={hv} Dk={dk} Dv={dv} (float32)")

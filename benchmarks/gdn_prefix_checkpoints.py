@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from atom_core import SamplingParams
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.llm_engine import LLMEngine
 
 
 def build_model(folder: Path, hidden: int, max_len: int) -> None:

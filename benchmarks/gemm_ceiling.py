@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from atom_core.fetch import fetch_default_model
+from atom_core.engine.fetch import fetch_default_model
 from atom_core.layers.linear import Linear
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.llm_engine import LLMEngine
 
 
 def best_seconds(fn, reps: int) -> float:

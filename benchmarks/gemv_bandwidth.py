@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from atom_core.cpu_features import cpu_features
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.layers.linear import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
 from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
-from atom_core.memory import resident, weight_arena
+from atom_core.platform.memory import resident, weight_arena
 
 # SmolLM2's 30 layers: qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from atom_attention.mha import MHAMetadataBuilder
-from atom_attention.mla import MLAMetadataBuilder
+from atom_attention.mha.builder import MHAMetadataBuilder
+from atom_attention.mla.builder import MLAMetadataBuilder
 from atom_core.layers import Attention
 from atom_models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 

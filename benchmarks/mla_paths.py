@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from atom_attention.mla_paged import CpuMLAAttention, TorchMLAAttention
-from atom_core.attention import AttentionMetadataBuilder
+from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
+from atom_core.runner.attention_builder import AttentionMetadataBuilder
 from atom_core.layers.mla import MLAAttention
 
 BS = 16

@@ -27,7 +27,7 @@ import torch
 import transformers
 from torch import nn
 
-from atom_core.fetch import fetch_default_model
+from atom_core.engine.fetch import fetch_default_model
 from atom_core.layers.quant import (
     QuantizedWeight,
     load_blocks,
@@ -35,7 +35,7 @@ from atom_core.layers.quant import (
     quantize_int4,
     quantize_int8,
 )
-from atom_core.loader import GGUF_BLOCKS_FILE
+from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
 DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).parent.parent / "README.md")
 
@@ -108,7 +108,7 @@ ENGINE_SETTINGS = [  # name, LLMEngine settings
 def engine_perplexity(folder: Path, settings: dict, ids: list[int], window: int) -> float:
     """Atom's own prompt log probabilities over the same `windows` as `perplexity`."""
     from atom_core import SamplingParams
-    from atom_core.llm_engine import LLMEngine
+    from atom_core.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(str(folder), max_model_len=window + 8, kv_cache_memory=256 << 20, **settings)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)

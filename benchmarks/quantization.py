@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from atom_core import SamplingParams
-from atom_core.fetch import fetch_default_model
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.fetch import fetch_default_model
+from atom_core.engine.llm_engine import LLMEngine
 
 CONFIGS = {
     "none-bf16": dict(quantization="none", dtype="bfloat16"),

@@ -1,6 +1,6 @@
 """Online serving latency of Atom's scheduling policies: prefill_first, mixed and spyre.
 
-Model: SmolLM2-135M-Instruct (`atom_core.fetch.fetch_default_model`) on CPU, 2 torch
+Model: SmolLM2-135M-Instruct (`atom_core.engine.fetch.fetch_default_model`) on CPU, 2 torch
 threads by default. Each policy gets its own engine; the engines are identical except
 for `scheduling_policy` (token budget `--budget`, chunked prefill on, no prefix caching,
 a KV pool large enough that nothing is preempted) and are built one after the other.
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from atom_core import RequestOutput, SamplingParams
-from atom_core.fetch import fetch_default_model
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.fetch import fetch_default_model
+from atom_core.engine.llm_engine import LLMEngine
 
 POLICIES = ("prefill_first", "mixed", "spyre")
 SHORT_PROMPT = (32, 256)

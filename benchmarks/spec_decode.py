@@ -38,7 +38,7 @@ import time
 import torch
 
 from atom_core import SamplingParams
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.llm_engine import LLMEngine
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper climbed "

@@ -1,6 +1,6 @@
 """End-to-end generation speed on CPU: Atom against Hugging Face transformers, same model.
 
-Model: SmolLM2-135M-Instruct (`atom_core.fetch.fetch_default_model`), loaded by both
+Model: SmolLM2-135M-Instruct (`atom_core.engine.fetch.fetch_default_model`), loaded by both
 engines in the same precision and with the same torch thread count.
 
 What is measured, per dtype:
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from atom_core import SamplingParams
-from atom_core.fetch import fetch_default_model
-from atom_core.llm_engine import LLMEngine
+from atom_core.engine.fetch import fetch_default_model
+from atom_core.engine.llm_engine import LLMEngine
 
 VOCAB_RANGE = (100, 40000)  # ordinary (non-special) token ids of SmolLM2's vocabulary
 PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")

@@ -2,7 +2,7 @@
 
 Model: SmolLM2-135M-Instruct, in three precisions:
 
-* f32, bf16: the shipped Q4_1 GGUF dequantized (`atom_core.fetch.fetch_default_model`). Atom
+* f32, bf16: the shipped Q4_1 GGUF dequantized (`atom_core.engine.fetch.fetch_default_model`). Atom
   loads that folder with `dtype=float32|bfloat16, quantization="none"`; llama.cpp runs it
   converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py --outtype f32|bf16` (the
   converter vendored in the llama-cpp-python sdist; see tests/gguf_convert.py).
@@ -56,8 +56,8 @@ from gguf_convert import convert_many  # noqa: E402
 from llamacpp_build import batched_bench, build_root, llama_cpp_commit  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 PP_TOKENS = 512
 VOCAB_RANGE = (100, 40000)  # ordinary (non-special) token ids of SmolLM2's vocabulary

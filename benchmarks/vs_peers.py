@@ -13,7 +13,7 @@ Instruct, `--threads` threads for every engine, random token-id prompts (the sam
 
 Precisions (`--precisions f32,bf16,q4`):
 
-* f32, bf16: the HF folder `atom_core.fetch.fetch_default_model()` makes from the shipped Q4_1
+* f32, bf16: the HF folder `atom_core.engine.fetch.fetch_default_model()` makes from the shipped Q4_1
   GGUF (dequantized). Atom: `dtype=float32|bfloat16, quantization="none"`. llama.cpp: that
   folder converted by its `convert_hf_to_gguf.py --outtype f32|bf16`. vLLM: `LLM(dtype=
   "float32"|"bfloat16")`. OpenVINO: `optimum-cli export openvino --weight-format fp32`, compiled
@@ -107,7 +107,7 @@ from vs_llamacpp import (  # noqa: E402
     workload_prompts,
 )
 
-from atom_core.fetch import DEFAULT_MODEL_NAME, fetch_default_model  # noqa: E402
+from atom_core.engine.fetch import DEFAULT_MODEL_NAME, fetch_default_model  # noqa: E402
 
 PRECISIONS = ("f32", "bf16", "q4")
 ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "q4": "q4_1"}  # vs_llamacpp's names

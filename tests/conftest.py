@@ -10,7 +10,7 @@ except ImportError:
     pass
 
 from atom_core import Config, SamplingParams, Scheduler, Sequence, get_plugin_manager
-from atom_core.cpu_features import cpu_features
+from atom_core.platform.cpu_features import cpu_features
 
 # Every kernel variant this host can run, best first: on an AVX-512 host the AVX2 and portable
 # builds are checked too, so either kind of host tests both paths (ATOM_CPU_ISA caps the list).

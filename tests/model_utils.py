@@ -364,7 +364,7 @@ def check_against_hf(model, prompts, results, logits):
 def make_gdn_engine(folder, **config):
     """An engine on a GDN hybrid whose state pools and KV slots start as NaN: stale state is
     what a reused group holds, and nothing may rely on a clean pool."""
-    from atom_core.llm_engine import LLMEngine
+    from atom_core.engine.llm_engine import LLMEngine
 
     config.setdefault("num_kvcache_blocks", 96)
     config.setdefault("max_model_len", 512)

@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 from conftest import require_kernel  # noqa: E402
 
 from atom_attention import cpu_kernels  # noqa: E402
-from atom_attention.cpu_paged import CpuPagedAttention  # noqa: E402
-from atom_attention.mha import MHAMetadataBuilder, default_impl_cls  # noqa: E402
-from atom_attention.torch_paged import TorchPagedAttention, chunk_size  # noqa: E402
+from atom_attention.mha.cpu_paged import CpuPagedAttention  # noqa: E402
+from atom_attention.mha.builder import MHAMetadataBuilder, default_impl_cls  # noqa: E402
+from atom_attention.mha.torch_paged import TorchPagedAttention, chunk_size  # noqa: E402
 from atom_core.layers import Attention  # noqa: E402
 
 IMPLS = [TorchPagedAttention, CpuPagedAttention]

@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from atom_core import Block, BlockManager, Config, Sequence
-from atom_core.state_checkpoints import StateCheckpoints
+from atom_core.kv.state_checkpoints import StateCheckpoints
 from conftest import make_seq
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from atom_core.cpu_features import VARIANTS, detect
+from atom_core.platform.cpu_features import VARIANTS, detect
 
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -103,8 +103,8 @@ def test_kernels_off_and_no_compiler(tmp_path, monkeypatch):
 
 
 def test_atom_env_names_the_variant_of_each_kernel(capsys):
-    from atom_core.cli import main
-    from atom_core.cpu_features import cpu_features
+    from atom_core.engine.cli import main
+    from atom_core.platform.cpu_features import cpu_features
     from atom_core.layers.cpp import kernels_enabled
 
     assert main(["env"]) == 0

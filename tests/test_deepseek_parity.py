@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import (  # noqa: E402
     ARCHS,
     build_tiny_model,
@@ -81,8 +81,8 @@ def test_batch_of_mixed_lengths_matches_transformers(tiny):
 def test_portable_torch_path_matches_transformers(tiny, monkeypatch):
     """Every C++ and oneDNN kernel off (the path other devices take); more than four decode
     rows, so decode runs chunked over the latent blocks."""
-    from atom_attention.mla import MLAMetadataBuilder
-    from atom_attention.mla_paged import TorchMLAAttention
+    from atom_attention.mla.builder import MLAMetadataBuilder
+    from atom_attention.mla.paged import TorchMLAAttention
     from atom_core.layers import ops
 
     monkeypatch.setattr(MLAMetadataBuilder, "impl_cls", TorchMLAAttention)

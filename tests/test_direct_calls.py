@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from atom_core.direct_calls import direct_calls, is_direct, plain_type  # noqa: E402
+from atom_core.runner.direct_calls import direct_calls, is_direct, plain_type  # noqa: E402
 
 
 class Block(nn.Module):
@@ -95,7 +95,7 @@ def test_idempotent_and_classes_shared():
 
 def test_engine_runs_its_model_through_direct_calls(tmp_path):
     from atom_core import SamplingParams
-    from atom_core.llm_engine import LLMEngine
+    from atom_core.engine.llm_engine import LLMEngine
     from model_utils import build_tiny_model
 
     build_tiny_model("llama", tmp_path)

@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from atom_core.layers.embedding import LookupEmbedding  # noqa: E402
 from model_utils import add_mtp_layer, build_eagle3_head, build_tiny_model, random_prompts, scale_rows  # noqa: E402

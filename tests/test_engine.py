@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import RequestOutput, SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
-from atom_core.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.runner.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties  # noqa: E402
 from model_utils import build_tiny_model, hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -253,7 +253,7 @@ def test_an_explicit_pool_needs_no_free_memory_reading(tiny, monkeypatch):
     def unreadable(device):
         raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
 
-    monkeypatch.setattr("atom_core.model_runner.free_memory_bytes", unreadable)
+    monkeypatch.setattr("atom_core.runner.model_runner.free_memory_bytes", unreadable)
     engine = LLMEngine(tiny[0], num_kvcache_blocks=16, max_model_len=128)
     assert engine.scheduler.block_manager.num_free_blocks == 16
 

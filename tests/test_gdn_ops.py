@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atom_attention.gdn_ops import (
+from atom_attention.gdn.ops import (
     _step_gathered,
     causal_conv1d,
     causal_conv1d_update,

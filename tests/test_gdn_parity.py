@@ -146,8 +146,8 @@ def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
 
     from transformers import Qwen3NextConfig
 
-    from atom_attention.gdn import GDNMetadataBuilder
-    from atom_attention.mha import MHAMetadataBuilder
+    from atom_attention.gdn.builder import GDNMetadataBuilder
+    from atom_attention.mha.builder import MHAMetadataBuilder
     from atom_models.qwen3_next import Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig()  # transformers' defaults are Qwen3-Next-80B-A3B's shapes

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import GDN_ARCHS, cached_greedy, check_against_hf, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402

@@ -23,12 +23,12 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams, hookimpl  # noqa: E402
-from atom_core.gguf_arch import GGUFArchitecture  # noqa: E402
-from atom_core.gguf_loader import gguf_to_hf_folder, load_gguf  # noqa: E402
+from atom_core.loading.gguf.architecture import GGUFArchitecture  # noqa: E402
+from atom_core.loading.gguf.loader import gguf_to_hf_folder, load_gguf  # noqa: E402
 from atom_core.layers import FusedMoE  # noqa: E402
 from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, load_blocks  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
-from atom_core.loader import GGUF_BLOCKS_FILE  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
 from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
 from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
 
@@ -211,7 +211,7 @@ def _rename_architecture(src: Path, dst: Path, arch: str, drop: set[str] = froze
 
 def test_descriptions_agree_with_gguf_own_name_maps():
     """Each family's table names what gguf's TensorNameMap (the converter's own) maps to that kind."""
-    from atom_core.plugins import get_registry
+    from atom_core.plugins.manager import get_registry
 
     registry = get_registry("gguf_architectures")
     checked = 0

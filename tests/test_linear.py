@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.cpu_features import cpu_features  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
 from conftest import require_kernel  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import build_tiny_model, hf_logits, random_prompts  # noqa: E402
 

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
 
-from atom_core import memory  # noqa: E402
-from atom_core.memory import HUGE_PAGE, empty_resident  # noqa: E402
+from atom_core.platform import memory  # noqa: E402
+from atom_core.platform.memory import HUGE_PAGE, empty_resident  # noqa: E402
 
 PAGE = 4096
 
@@ -138,7 +138,7 @@ def thp_mode() -> str:
 def test_arena_regions_get_huge_pages_even_after_the_heap_was_used():
     """The engine keeps freed memory mapped (`keep_freed_memory_mapped`): from the heap, a
     region would reuse pages already faulted in small. Its own mapping does not."""
-    from atom_core.model_runner import keep_freed_memory_mapped
+    from atom_core.runner.model_runner import keep_freed_memory_mapped
 
     keep_freed_memory_mapped()
     junk = torch.ones(300 << 20, dtype=torch.uint8)  # what loading leaves behind
@@ -186,7 +186,7 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
 
     from atom_core.layers.linear import Linear, StreamedEmbedding, StreamingGemm, gemv_ops
     from atom_core.layers.quant import StreamingGroupGemm
-    from atom_core.llm_engine import LLMEngine
+    from atom_core.engine.llm_engine import LLMEngine
 
     require_kernel(gemv_ops())
     build_tiny_model("llama_tied_rope3", tmp_path)

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 
 from conftest import KERNEL_VARIANTS, require_kernel  # noqa: E402
 
-from atom_core.attention import AttentionMetadataBuilder  # noqa: E402
+from atom_core.runner.attention_builder import AttentionMetadataBuilder  # noqa: E402
 from atom_core.layers.mla import MLAAttention  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import build_tiny_model, random_prompts, run_with_logits  # noqa: E402
 
 # DeepSeek-V3 (671B) config.json, shapes only.
@@ -59,7 +59,7 @@ def fake_runner(hf_config, dtype=torch.bfloat16, block_size=16, num_blocks=8):
 
 
 def test_block_bytes_of_real_deepseek_v3_are_one_latent_row_per_token_and_layer():
-    from atom_attention.mla import MLAMetadataBuilder
+    from atom_attention.mla.builder import MLAMetadataBuilder
     from atom_models.deepseek_v2 import DeepseekV3ForCausalLM
 
     cfg = SimpleNamespace(**DEEPSEEK_V3)
@@ -113,7 +113,7 @@ def reference(layer, lat, q_nope, q_pe, n):
 @pytest.mark.parametrize("impl_name", [*(f"cpu-{v}" for v in KERNEL_VARIANTS), "torch_expand", "torch_absorb"])
 def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, shape, dtype, monkeypatch, _kernels_built):
     from atom_attention import cpu_kernels
-    from atom_attention.mla_paged import CpuMLAAttention, TorchMLAAttention
+    from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 
     if impl_name.startswith("cpu-"):  # the C++ kernel, in each variant this host runs
         ops = require_kernel(cpu_kernels.load(impl_name.removeprefix("cpu-")))
@@ -174,7 +174,7 @@ def tiny_v3(tmp_path_factory):
 
 
 def _logits(folder, monkeypatch, impl_cls, prefill):
-    from atom_attention.mla import MLAMetadataBuilder
+    from atom_attention.mla.builder import MLAMetadataBuilder
 
     monkeypatch.setattr(MLAMetadataBuilder, "impl_cls", impl_cls)
     monkeypatch.setattr(impl_cls, "prefill", prefill)
@@ -188,7 +188,7 @@ def _logits(folder, monkeypatch, impl_cls, prefill):
 
 def test_absorbed_and_expanded_paths_give_the_same_logits(tiny_v3, monkeypatch):
     from atom_attention import cpu_kernels
-    from atom_attention.mla_paged import CpuMLAAttention, TorchMLAAttention
+    from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 
     folder, _ = tiny_v3
     expanded = _logits(folder, monkeypatch, TorchMLAAttention, "expand")

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import (  # noqa: E402
     ARCHS,
     NEW_TOKENS,
@@ -42,8 +42,8 @@ def test_batch_of_mixed_lengths_matches_transformers(tiny):
 
 def test_portable_torch_path_matches_transformers(tiny, monkeypatch):
     """The same batch with every C++ and oneDNN kernel off: the path other devices take."""
-    from atom_attention.mha import MHAMetadataBuilder
-    from atom_attention.torch_paged import TorchPagedAttention
+    from atom_attention.mha.builder import MHAMetadataBuilder
+    from atom_attention.mha.torch_paged import TorchPagedAttention
     from atom_core.layers import ops
 
     monkeypatch.setattr(MHAMetadataBuilder, "impl_cls", TorchPagedAttention)

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.cpu_features import cpu_features  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 from conftest import require_kernel  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 
 from atom_core.layers import FusedMoE, register_router, select_experts  # noqa: E402
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES, ROUTERS  # noqa: E402
-from atom_core.loader import load_model_weights  # noqa: E402
+from atom_core.loading.checkpoint import load_model_weights  # noqa: E402
 
 
 def as_sets(ids: torch.Tensor) -> list[set[int]]:

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import test_policy_parity as policy_parity  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import tiny_models  # noqa: E402
 
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
@@ -76,7 +76,7 @@ def test_qwen3_refuses_sliding_layers_it_would_run_with_full_attention(arch):
 
     import atom_models.qwen3  # noqa: F401
     import atom_models.qwen3_moe  # noqa: F401
-    from atom_core.plugins import get_registry
+    from atom_core.plugins.manager import get_registry
 
     model_cls = get_registry("models").get(f"{arch}ForCausalLM")
     shapes = dict(

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
 
 GROUP_BYTES = 4096
@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def stateful(monkeypatch):
     """The "mha" builder made to keep GROUP_BYTES of per-request state, as a GDN builder does."""
-    from atom_attention.mha import MHAMetadataBuilder
+    from atom_attention.mha.builder import MHAMetadataBuilder
 
     allocated = []
     monkeypatch.setattr(MHAMetadataBuilder, "compute_per_req_cache_bytes", lambda self: GROUP_BYTES)

@@ -12,7 +12,7 @@ import pytest
 
 from atom_core import RegistryError, get_plugin_manager, get_registry, hookimpl
 from atom_core.layers.cpp import CppKernel, declared_kernels
-from atom_core.plugins import REGISTRY_HOOKS, list_plugins
+from atom_core.plugins.manager import REGISTRY_HOOKS, list_plugins
 
 FIXTURE = Path(__file__).parent / "fixtures" / "atom_example_plugin"
 
@@ -131,7 +131,7 @@ def test_a_plugin_whose_hook_raises_is_left_out_and_named(plugin_manager):
 
 
 def test_a_misspelled_hook_is_reported(plugin_manager):
-    from atom_core.plugins import unknown_hooks
+    from atom_core.plugins.manager import unknown_hooks
 
     class Typo:
         @hookimpl
@@ -198,7 +198,7 @@ def test_out_of_tree_package_installed_with_pip_is_found_through_entry_points(tm
         """
         import sys
         from atom_core import get_registry
-        from atom_core.plugins import list_plugins
+        from atom_core.plugins.manager import list_plugins
         models = get_registry("models")
         attention = get_registry("attention_builders")
         print(models.plugin_of("ExampleForCausalLM"))

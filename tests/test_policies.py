@@ -14,7 +14,7 @@ from atom_core import (
     SequenceType,
     hookimpl,
 )
-from atom_core.policy import SchedulingPolicy, StepBuilder
+from atom_core.sched.policy import SchedulingPolicy, StepBuilder
 from conftest import make_seq, record_preemptions
 
 
@@ -284,5 +284,5 @@ def test_a_registered_policy_that_is_not_a_scheduling_policy_is_refused_by_name(
         pass
 
     register_policy(plugin_manager, "not_a_policy", NotAPolicy)
-    with pytest.raises(TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.policy.SchedulingPolicy"):
+    with pytest.raises(TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.sched.policy.SchedulingPolicy"):
         Scheduler(Config(num_kvcache_blocks=8, scheduling_policy="not_a_policy"))

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import (  # noqa: E402
     check_against_hf,
     hf_greedy,

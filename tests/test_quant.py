@@ -19,7 +19,7 @@ from conftest import require_kernel  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from atom_core import Config, SamplingParams  # noqa: E402
-from atom_core.gguf_loader import _quantized_weight, load_gguf, write_gguf_blocks  # noqa: E402
+from atom_core.loading.gguf.loader import _quantized_weight, load_gguf, write_gguf_blocks  # noqa: E402
 from atom_core.layers import quant  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
 from atom_core.layers.quant import (  # noqa: E402
@@ -34,8 +34,8 @@ from atom_core.layers.quant import (  # noqa: E402
     quantized_linear,
     quantize_int8,
 )
-from atom_core.llm_engine import LLMEngine  # noqa: E402
-from atom_core.loader import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 ROWS = (1, 3, 64, 700)

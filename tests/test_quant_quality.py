@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.fetch import fetch_default_model  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.fetch import fetch_default_model  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 PASSAGE = (Path(__file__).parent / "fixtures" / "gpl-3.0.txt").read_text()[:12000]
 

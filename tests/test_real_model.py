@@ -12,8 +12,8 @@ from conftest import require_kernel  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from atom_core import SamplingParams  # noqa: E402
-from atom_core.fetch import default_model_gguf, fetch_default_model  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.fetch import default_model_gguf, fetch_default_model  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -111,7 +111,7 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     "The", leads "L" by only 0.08 in float32."""
     from atom_core.layers.cpp import kernels_enabled
     from atom_core.layers.quant import ExactTopLogits, Int4PackGemm, QuantizedEmbedding, StreamingGroupGemm
-    from atom_core.loader import GGUF_BLOCKS_FILE
+    from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
     default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
     model = default.runner.model
@@ -158,7 +158,7 @@ def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engin
 
 
 def test_cli_refuses_bad_sampling_flags_before_loading_a_model(capsys, tmp_path):
-    from atom_core.cli import main
+    from atom_core.engine.cli import main
 
     assert main(["generate", "--model", str(tmp_path / "no-such-model"), "--max-tokens", "0", "hi"]) == 2
     assert "max_tokens must be an integer >= 1, or None (up to max_model_len), got 0" in capsys.readouterr().err
@@ -178,7 +178,7 @@ def test_prefix_cache_serves_the_shared_chat_prefix(prompts):
 
 
 def test_cli_generate_streams_the_answer(capsys):
-    from atom_core.cli import main
+    from atom_core.engine.cli import main
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "256"]) == 0
     assert "The capital of France is Paris." in capsys.readouterr().out
@@ -188,7 +188,7 @@ def test_cli_runs_as_a_module():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "atom_core.cli", "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "atom_core.engine.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "generate" in done.stdout
 

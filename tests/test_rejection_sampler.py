@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.sampler import Sampler, SamplingMetadata, _mix, processed_probs  # noqa: E402
+from atom_core.runner.sampler import Sampler, SamplingMetadata, _mix, processed_probs  # noqa: E402
 from atom_spec import rejection  # noqa: E402
 from atom_spec.rejection import RejectionSampler  # noqa: E402
 
@@ -90,7 +90,7 @@ def test_greedy_speculation_reproduces_greedy_decoding_token_for_token():
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The shaped target, written out independently of atom_core.sampler, in float64."""
+    """The shaped target, written out independently of atom_core.runner.sampler, in float64."""
     z = logits.double() / temperature
     if 0 < top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 from conftest import require_kernel  # noqa: E402
 
 from atom_core import SamplingParams, hookimpl  # noqa: E402
-from atom_core.llm_engine import LLMEngine  # noqa: E402
-from atom_core.speculative import Drafts, Proposer  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.sched.speculative import Drafts, Proposer  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import build_tiny_model, random_prompts  # noqa: E402
 
@@ -378,7 +378,7 @@ def test_ngram_lookup_takes_the_longest_suffix_at_its_earliest_occurrence():
 
 
 def test_draft_gate_opens_positions_as_they_pay_and_backs_off_when_they_do_not():
-    from atom_core.speculative import DraftGate
+    from atom_core.sched.speculative import DraftGate
 
     gate, done = DraftGate(min_rate=0.5, retry_after=4), 0
     assert gate.drafts(3, done) == 3  # a new request drafts all k
@@ -412,7 +412,7 @@ def test_draft_gate_opens_positions_as_they_pay_and_backs_off_when_they_do_not()
 
 def test_a_free_text_request_pays_one_round_of_k_drafts_then_one_at_a_time():
     """What the gate costs a request whose drafts miss: k rows once, then single probes."""
-    from atom_core.speculative import DraftGate
+    from atom_core.sched.speculative import DraftGate
 
     gate, done, rows = DraftGate(min_rate=0.5, retry_after=64), 0, []
     while done < 200:

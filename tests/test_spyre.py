@@ -7,7 +7,7 @@ import random
 import pytest
 
 from atom_core import Config, ScheduledBatchOutput, Scheduler, SpeculativeConfig
-from atom_core.policies.spyre import batch_tkv_volume
+from atom_core.sched.policies.spyre import batch_tkv_volume
 from conftest import make_seq
 
 BS = 16

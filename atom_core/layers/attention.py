@@ -39,7 +39,7 @@ class Attention(nn.Module):
 
     @property
     def out_features(self) -> int:
-        """Width of what `forward` returns per token (the compiled path's contract, `atom_core.compile`)."""
+        """Width of what `forward` returns per token (the compiled path's contract, `atom_core.runner.compile`)."""
         return self.num_heads * self.head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

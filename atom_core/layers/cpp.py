@@ -1,7 +1,7 @@
 """C++ CPU kernels, built per instruction-set variant and loaded for the one this CPU runs.
 
 A `CppKernel` is a C++ source compiled with `torch.utils.cpp_extension` once per variant
-(`atom_core.cpu_features.VARIANTS`: explicit target flags, never -march=native), into
+(`atom_core.platform.cpu_features.VARIANTS`: explicit target flags, never -march=native), into
 torch's extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions).
 `load()` gives the build for this CPU's best variant (`ATOM_CPU_ISA` caps it); tests ask
 for each variant the CPU can run. The source sees `ATOM_VARIANT` and `ATOM_OPS_NS` (a
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from atom_core.cpu_features import VARIANT_NAMES, cpu_features, variant
+from atom_core.platform.cpu_features import VARIANT_NAMES, cpu_features, variant
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def compiled_op(ops: ModuleType, name: str):
 
 def declared_kernels() -> dict[str, CppKernel]:
     """Every kernel the installed plugins declare (`atom_register_cpp_kernels`), by name."""
-    from atom_core.plugins import get_registry
+    from atom_core.plugins.manager import get_registry
 
     registry = get_registry("cpp_kernels")
     return {name: registry.get(name) for name in registry.names()}

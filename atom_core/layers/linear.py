@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
-from atom_core.cpu_features import cpu_features
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.layers.cpp import CppKernel, compiled_op
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.quant import QuantizedWeight, pick_quantized_gemm
-from atom_core.memory import resident, weight_arena
+from atom_core.platform.memory import resident, weight_arena
 
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.cpu_features import cpu_features
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.layers.cpp import CppKernel
 from atom_core.layers.linear import StreamingGemm, pick_gemm
 from atom_core.layers.ops import silu_and_mul

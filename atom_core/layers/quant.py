@@ -35,7 +35,7 @@ from torch import nn
 from atom_core.layers.cpp import compiled_op
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.ops import near_max
-from atom_core.memory import resident
+from atom_core.platform.memory import resident
 
 logger = logging.getLogger("atom")
 
@@ -507,7 +507,7 @@ def quantize_model(model: nn.Module, config: Any) -> None:
     linears = quantizable_linears(model)
     experts = quantizable_experts(model)
     if mode == "auto":
-        from atom_core.loader import GGUF_BLOCKS_FILE
+        from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
@@ -580,7 +580,7 @@ def _from_gguf(
     """Each Linear's (and each expert's) blocks from the converted GGUF: stacked as they are
     where every shard has a kernel format (one for all), requantized from the loaded float
     weight otherwise."""
-    from atom_core.loader import checkpoint_target
+    from atom_core.loading.checkpoint import checkpoint_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
     by_param: dict[int, dict[Any, tuple[str, QuantizedWeight | None]]] = {}

@@ -1,0 +1,197 @@
+"""The `atom` command: `atom generate`, `atom fetch`, `atom plugins`, `atom env`, `atom kernels`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from atom_core.platform.cpu_features import VARIANT_NAMES
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+)
+
+
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object, its parse error named (argparse would say only "invalid loads value")."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="atom", description="Atom: a small, pluggable LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {len(DEFAULT_PROMPTS)} sample questions)")
+    gen.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = none; > 1 discourages repeats")
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
+                     help="weights: auto (the default: a GGUF keeps its 4/8-bit blocks), none, int8, int4")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
+    gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='draft-and-verify decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+
+    fetch = sub.add_parser("fetch", help="install the default model (SmolLM2-135M-Instruct) into the cache")
+    fetch.add_argument("--cache-dir", default=None, help="default: $ATOM_CACHE_DIR or ~/.cache/atom")
+
+    sub.add_parser("plugins", help="list installed plugins and what they register")
+    sub.add_parser("env", help="this CPU's features, torch's CPU level, and which variant each C++ kernel runs")
+    kernels = sub.add_parser("kernels", help="build the C++ CPU kernels now (scripts/setup.sh runs this)")
+    kernels.add_argument("--variant", action="append", choices=["all", *VARIANT_NAMES], default=None,
+                         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)")
+
+    args = parser.parse_args(argv)
+    try:
+        commands = {"generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels}
+        return commands[args.command](args)
+    except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
+        print(f"atom: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from atom_core.engine.fetch import fetch_default_model
+
+    print(fetch_default_model(args.cache_dir))
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from atom_core.plugins.manager import REGISTRY_HOOKS, failed_plugins, get_plugin_manager, get_registry, list_plugins
+
+    for row in list_plugins():
+        print(f"{row['name']:<12} {row['distribution'] or '(in-process)'}  hooks: {', '.join(row['hooks'])}")
+    get_plugin_manager()  # loads the entry points, filling failed_plugins
+    for name, why in sorted(failed_plugins.items()):
+        print(f"{name:<12} FAILED TO LOAD: {why}")
+    for kind in REGISTRY_HOOKS:
+        registry = get_registry(kind)
+        print(f"{kind}: {', '.join(registry.names()) or '-'}")
+        for name, why in sorted(registry.failed_plugins.items() - failed_plugins.items()):
+            print(f"  (plugin {name!r} left out: {why})")
+    from atom_core.platform.cpu_features import cpu_features
+
+    print(f"cpu: {cpu_features().summary()} (`atom env` for each kernel)")
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, cpu_features, detect
+    from atom_core.layers.cpp import build_all, compiler, kernels_enabled
+
+    features, host = cpu_features(), detect(isa="")
+    shown = sorted({f for v in VARIANTS for f in v.requires} | {"avx_vnni", "avx_ne_convert", "amx_bf16"})
+    print(f"cpu:             {features.model} ({features.machine}, {os.cpu_count()} cores)")
+    print(f"features:        {' '.join(f if f in host.flags else '-' + f for f in shown)}")
+    capped = f" ({ENV_ISA}={os.environ[ENV_ISA]}; this CPU: {host.variant.name})" if features.capped else ""
+    print(f"kernel variant:  {features.variant.name}{capped}; can run: {', '.join(features.variants)}")
+    print(f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else 'no (bfloat16 weights stay bfloat16 in the tiled kernel)'}")
+    print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    env = [f"{v}={os.environ[v]}" for v in ("ATOM_CPU_ISA", "ATOM_CPU_KERNELS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+           if os.environ.get(v)]  # fmt: skip
+    if env:
+        print(f"environment:     {' '.join(env)}")
+    print(f"compiler:        {compiler() or 'none on PATH'}; python {platform.python_version()}")
+    if not kernels_enabled():
+        print("kernels:         off (ATOM_CPU_KERNELS=0): the torch path runs")
+        return 0
+    for name, status in build_all()[features.variant.name].items():
+        print(f"  {name:<26} {status}")
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from atom_core.platform.cpu_features import cpu_features
+    from atom_core.layers.cpp import build_all
+
+    variants = args.variant or [cpu_features().variant.name]
+    if "all" in variants:
+        variants = list(cpu_features().variants)
+    failed = 0
+    for variant, statuses in build_all(variants).items():
+        for name, status in statuses.items():
+            print(f"{variant:<12} {name:<26} {status}")
+            failed += status != variant
+    return 1 if failed else 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from atom_core.engine.llm_engine import LLMEngine
+    from atom_core.sampling_params import SamplingParams
+
+    options: dict[str, Any] = {"dtype": args.dtype}
+    for name in (
+        "max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config", "sampler"
+    ):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    params = SamplingParams(  # bad sampling flags fail before the model loads
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens,
+        seed=args.seed, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+    engine = LLMEngine(args.model, **options)
+    prompts = args.prompts or list(DEFAULT_PROMPTS)
+    chat = not args.no_chat and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
+    inputs = [engine.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    if len(prompts) == 1:
+        _stream(engine, inputs[0], params)
+        return 0
+    for prompt, result in zip(prompts, engine.generate(inputs, params, use_tqdm=sys.stderr.isatty())):
+        print(f"> {prompt}\n{result['text'].strip()}\n")
+    return 0
+
+
+def _stream(engine, prompt, params) -> None:
+    """Print tokens as they arrive, decoding the whole completion so multi-token characters come out whole."""
+    tokens: list[int] = []
+    printed = 0
+
+    def on_tokens(out) -> None:
+        nonlocal printed
+        tokens.extend(out.output_tokens)
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not out.finished:
+            return  # half of a multi-byte character: wait for the rest
+        print(text[printed:], end="", flush=True)
+        printed = len(text)
+
+    engine.add_request(prompt, params, stream_callback=on_tokens)
+    while engine.has_unfinished_requests():
+        engine.step()
+    print()
+
+
+if __name__ == "__main__":  # python -m atom_core.engine.cli
+    raise SystemExit(main())

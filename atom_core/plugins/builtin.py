@@ -1,0 +1,22 @@
+"""What the core itself contributes through the hooks, registered like any plugin."""
+
+from atom_core.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def atom_register_samplers(registry):
+    registry.register("default", "atom_core.runner.sampler:Sampler")
+
+
+@hookimpl
+def atom_register_scheduler_policies(registry):
+    registry.register("prefill_first", "atom_core.sched.policies.prefill_first:PrefillFirstPolicy")
+    registry.register("mixed", "atom_core.sched.policies.mixed:MixedPolicy")
+    registry.register("spyre", "atom_core.sched.policies.spyre:SpyrePolicy")
+
+
+@hookimpl
+def atom_register_cpp_kernels(registry):
+    registry.register("cpu_ops", "atom_core.layers.ops:CPU_OPS_KERNEL")
+    registry.register("gemv", "atom_core.layers.linear:GEMV_KERNEL")
+    registry.register("moe", "atom_core.layers.moe:MOE_KERNEL")

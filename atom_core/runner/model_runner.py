@@ -1,0 +1,534 @@
+"""Loads a model plugin, sizes and binds the KV pool through the attention builders, runs steps.
+
+Blind to model and attention type: the "models" registry maps the checkpoint's
+architecture to a class, each attention layer's `attn_type` picks a builder from the
+"attention_builders" registry, and the builders own every byte of the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from atom_core.runner.attention_builder import AttentionMetadataBuilder
+from atom_core.runner.compile import compile_model
+from atom_core.config import Config
+from atom_core.runner.direct_calls import direct_calls
+from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
+from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
+from atom_core.platform.memory import release_freed_heap, weight_arena
+from atom_core.loading.checkpoint import load_model_weights
+from atom_core.runner.logprobs import token_logprobs
+from atom_core.layers.quant import quantize_model
+from atom_core.plugins.manager import get_registry
+from atom_core.sched.policy import policy_class
+from atom_core.runner.sampler import SamplingMetadata, reads_argmax_only
+from atom_core.sched.scheduler import ScheduledBatch, ScheduledBatchOutput
+from atom_core.sequence import Sequence
+from atom_core.sched.speculative import ProposalInput, Proposer, crowded, wanted_drafts
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Share of free host memory the KV pool takes when neither kv_cache_memory nor
+# num_kvcache_blocks is set (vLLM's CPU backend also reserves a fixed slice).
+CPU_KV_CACHE_FRACTION = 0.25
+
+
+def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(found, torch.dtype):
+        return found if found in _DTYPES.values() else torch.float32
+    return _DTYPES.get(str(found).removeprefix("torch."), torch.float32)
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Stop glibc from returning large freed blocks to the OS after every op.
+
+    Each decode step allocates and frees the same multi-megabyte temporaries; by default
+    glibc unmaps them and the next step page-faults them back in, which cost more than
+    the arithmetic (vLLM's CPU backend preloads tcmalloc for the same reason).
+    """
+    if sys.platform != "linux" or os.environ.get("ATOM_KEEP_MALLOC_DEFAULTS"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
+
+
+class ModelRunner:
+    def __init__(self, config: Config, hf_config: Any, pm=None):
+        self.config = config
+        self.hf_config = hf_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.block_size = config.kv_cache_block_size
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+            raise ValueError(
+                f"{config.model}: the checkpoint is pre-quantized (config.json quantization_config, quant_method="
+                f"{method!r}), which Atom does not load; it loads float checkpoints (quantized at load by "
+                "Config.quantization) and GGUF files (Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 kept, other types converted)"
+            )
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")
+        model_cls = get_registry("models", pm).get(archs[0])
+        self.model = self._build_model(model_cls)
+        spec = config.speculative_config
+        # A proposer with weights (a draft layer, an EAGLE head) builds them here; its
+        # attention layers join the target's below and take KV from the same pool.
+        if spec:  # verify steps must round as plain decode steps do
+            batch_invariant_gemms(self.model)
+        self.proposer: Proposer | None = get_registry("proposers", pm).get(spec.method)(self, spec) if spec else None
+        self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
+        draft_modules = self.proposer.draft_modules() if self.proposer else []
+        self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
+        # the last step's logits and the row each request sampled from (`last_logits`)
+        self._last_logits: torch.Tensor | None = None
+        self._last_hidden: torch.Tensor | None = None
+        self._last_rows: np.ndarray | None = None
+        if self.proposer and self.proposer.aux_hidden_layers:
+            self._capture_aux_hidden(self.proposer.aux_hidden_layers)
+        self.attn_layers = [
+            m for root in [self.model, *draft_modules] for m in root.modules() if getattr(m, "attn_type", None)
+        ]
+        if not self.attn_layers:
+            raise ValueError(f"{archs[0]} has no attention layers (modules with an `attn_type`)")
+        by_type: dict[str, list[torch.nn.Module]] = {}
+        for m in self.attn_layers:
+            by_type.setdefault(m.attn_type, []).append(m)
+        builders = get_registry("attention_builders", pm)
+        self.attn_builders: dict[str, AttentionMetadataBuilder] = {
+            t: builders.get(t)(self, layers) for t, layers in by_type.items()
+        }
+        self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
+        # Whether an argmax-only step can save anything: a screened LM head (made now, not in the
+        # first request's first token), a sampler that takes its rows, and no drafts to verify
+        # (their GEMMs are batch-invariant, which no screen serves).
+        self.screens_lm_head = not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
+        # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
+        reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
+        self.num_kvcache_blocks = self._size_kv_pool(len(reserved))
+        self.kv_cache_tensors: dict[str, torch.Tensor] = {}
+        self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
+        self._allocate_kv_cache()
+        self.run_model = compile_model(self.model, config, self.device)
+        # Eager modules skip nn.Module.__call__'s hook checks (a compiled model is traced as it is;
+        # a proposer's own layers always run eagerly).
+        for root in ([self.model] if self.run_model is self.model else []) + draft_modules:
+            direct_calls(root)
+        self.timings: dict[str, float] = defaultdict(float)
+        release_freed_heap()  # what loading freed: the checkpoint's tensors, kernels' staging copies
+
+    def _build_model(self, model_cls: type) -> torch.nn.Module:
+        model = self.instantiate(lambda: model_cls(self.hf_config, self.config))
+        return self.load_weights(model, self.config.model, quantize=True)
+
+    def instantiate(self, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """`make()` with its parameters in the runner's dtype, on its device (a target or a draft model)."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                return make()
+        finally:
+            torch.set_default_dtype(previous)
+
+    def load_weights(self, module: torch.nn.Module, folder: str, quantize: bool = False) -> torch.nn.Module:
+        """Load `module` from `folder`, quantized per `Config.quantization` if asked, with kernels
+        chosen for the loaded weights' device and dtype."""
+        load_model_weights(module, folder)
+        mark_lm_heads(module)
+        if quantize:
+            quantize_model(module, self.config)  # Config.quantization: which Linears run quantized
+        # What the kernels stream goes into huge pages, except where speculative decoding's
+        # batch-invariant GEMMs (`batch_invariant_gemms`) will drop the streamed copies.
+        with weight_arena(enabled=not self.config.speculative_config):
+            process_weights(module)
+        return module.eval()
+
+    def _capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep the outputs of the named decoder layers each step (EAGLE-3 reads three of them).
+
+        A layer returns its output whole or, carrying the residual stream as vLLM's do, as a pair
+        (h, residual) whose sum it is; either way what is kept is the residual stream itself."""
+        stacks = [m for name, m in self.model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
+        if not stacks:
+            raise ValueError(f"{type(self.model).__name__} has no `layers` ModuleList to read hidden states from")
+        layers = max(stacks, key=len)
+        store = self._aux_hidden
+
+        def keep(slot: int):
+            def hook(module, args, output):
+                store[slot] = output[0] + output[1] if isinstance(output, tuple) else output
+
+            return hook
+
+        for slot, i in enumerate(layer_ids):  # kept in the order named, whatever order the layers run in
+            if not 0 <= i < len(layers):
+                raise ValueError(f"the proposer reads hidden states of layer {i}; the model has {len(layers)} layers")
+            layers[i].register_forward_hook(keep(slot))
+
+    # -- KV pool -------------------------------------------------------------------------
+
+    def _size_kv_pool(self, reserved: int = 0) -> int:
+        """Blocks for the paged pool, after the per-request state groups and checkpoints have taken
+        their share; `reserved` of them are the policy's and hold no request."""
+        cfg, bs = self.config, self.block_size
+        block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
+        # Stateful attention (GDN) keeps one group of per-request state outside the pool;
+        # every group is reserved up front, so the budget pays for them first.
+        stateful = {t: b for t, b in self.attn_builders.items() if b.compute_per_req_cache_bytes()}
+        group_bytes = sum(b.compute_per_req_cache_bytes() * b.slots_per_req() for b in stateful.values())
+        groups_field = "num_per_req_cache_groups" if cfg.num_per_req_cache_groups else "max_num_seqs"
+        self.num_per_req_cache_groups = (cfg.num_per_req_cache_groups or cfg.max_num_seqs) if stateful else 0
+        self.group_bytes = group_bytes
+        # Prefix caching resumes such a request only from a state checkpoint: one more slot
+        # of each builder's state after the groups' slots, paid from the same budget.
+        self.num_state_checkpoints = 0
+        self.checkpoint_bytes = sum(b.compute_per_req_cache_bytes() for b in stateful.values())
+        if stateful and cfg.enable_prefix_caching:
+            unable = sorted(t for t, b in stateful.items() if not b.supports_state_checkpoints())
+            if unable:
+                raise ValueError(
+                    f"prefix caching needs state checkpoints from every attention type with per-request state; "
+                    f"{', '.join(map(repr, unable))} keeps none: set enable_prefix_caching=False"
+                )
+            if not cfg.gdn_checkpoint_slots:
+                raise ValueError(
+                    "prefix caching on a model with per-request state resumes a prompt only "
+                    "from a state checkpoint, and gdn_checkpoint_slots=0 keeps none: set gdn_checkpoint_slots "
+                    "to 1 or more, or enable_prefix_caching=False"
+                )
+            self.num_state_checkpoints = cfg.gdn_checkpoint_slots
+        per_request = -(-cfg.max_model_len // bs)  # blocks for one full request (drafts stay inside them)
+        # and for one with blocks for the k draft positions past its tokens too, which it takes only when free
+        per_request_with_drafts = -(-(cfg.max_model_len + cfg.num_speculative_tokens) // bs)
+        if cfg.num_kvcache_blocks is not None:
+            num_blocks = cfg.num_kvcache_blocks
+            source = f"num_kvcache_blocks={num_blocks}"
+        else:
+            if cfg.kv_cache_memory is not None:
+                budget, source = cfg.kv_cache_memory, f"kv_cache_memory={cfg.kv_cache_memory}"
+            elif self.device.type == "cpu":
+                budget = int(free_memory_bytes(self.device) * CPU_KV_CACHE_FRACTION)
+                source = f"{CPU_KV_CACHE_FRACTION:.0%} of free memory ({budget} bytes)"
+            else:
+                budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
+                source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
+            checkpoints = self.num_state_checkpoints
+            checkpoints_total = checkpoints * self.checkpoint_bytes
+            groups_total = self.num_per_req_cache_groups * group_bytes + checkpoints_total
+            if group_bytes and budget - groups_total < (per_request + reserved) * block_bytes:
+                fit = max(0, (budget - (per_request + reserved) * block_bytes - checkpoints_total) // group_bytes)
+                also, beside, lower = "", "", groups_field
+                if checkpoints:
+                    also = (
+                        f" and {checkpoints} state checkpoints of {self.checkpoint_bytes} bytes "
+                        f"(gdn_checkpoint_slots={checkpoints})"
+                    )
+                    beside, lower = f" beside the {checkpoints} checkpoints", f"{groups_field} or gdn_checkpoint_slots"
+                raise ValueError(
+                    f"the KV budget from {source} cannot hold {self.num_per_req_cache_groups} per-request state "
+                    f"groups of {group_bytes} bytes ({groups_field}={self.num_per_req_cache_groups}){also} plus the "
+                    f"{per_request} blocks of {block_bytes} bytes one request of max_model_len={cfg.max_model_len} "
+                    f"tokens needs; at most {fit} groups fit{beside}: lower {lower}, or raise kv_cache_memory"
+                )
+            num_blocks = (budget - groups_total) // max(block_bytes, 1)
+            # More than every running request at full length can never be used.
+            num_blocks = min(num_blocks, cfg.max_num_seqs * per_request_with_drafts + reserved)
+        if num_blocks - reserved < per_request:
+            beside = f" beside the {reserved} the {cfg.scheduling_policy!r} policy reserves" if reserved else ""
+            raise ValueError(
+                f"the KV pool from {source} holds {num_blocks} blocks of {bs} tokens "
+                f"({block_bytes} bytes each), fewer than the {per_request} blocks one request of "
+                f"max_model_len={cfg.max_model_len} tokens needs{beside}; raise kv_cache_memory or "
+                f"num_kvcache_blocks, or lower max_model_len"
+            )
+        total = num_blocks * block_bytes + self.num_per_req_cache_groups * group_bytes
+        total += self.num_state_checkpoints * self.checkpoint_bytes
+        # On CPU, past the memory available the pool's pages (mapped in the background) would be
+        # filled in until the OS kills the process; a device allocator says so itself. Where
+        # free memory cannot be read (no /proc/meminfo), an explicit size is taken as given.
+        try:
+            free = free_memory_bytes(self.device) if self.device.type == "cpu" else None
+        except (OSError, RuntimeError):
+            free = None
+        if free is not None and total > free:
+            raise ValueError(
+                f"the KV pool from {source} takes {total} bytes ({num_blocks} blocks of {block_bytes} bytes"
+                f"{' and per-request state' if group_bytes else ''}), more than the {free} bytes of "
+                f"{self.device.type} memory available: lower kv_cache_memory or num_kvcache_blocks"
+            )
+        self.block_bytes = block_bytes
+        # What one group is worth in blocks, for the scheduler's own accounting.
+        self.per_req_cache_equiv_blocks = -(-group_bytes // block_bytes) if group_bytes and block_bytes else 0
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
+        # Per-request state groups (GDN-style attention), then the state checkpoints, counted
+        # by `_size_kv_pool`; the scheduler must hand out exactly as many as were allocated,
+        # so the engine reads these counts back.
+        stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
+        for builder in self.attn_builders.values():
+            self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
+        for builder in stateful:
+            slots = self.num_per_req_cache_groups * builder.slots_per_req() + self.num_state_checkpoints
+            self.per_req_cache_tensors.update(builder.allocate_per_req_cache(slots))
+        kv_cache_data = {}
+        for i, module in enumerate(self.attn_layers):
+            layer_id = getattr(module, "layer_id", i)
+            for builder in self.attn_builders.values():
+                kv = builder.build_kv_cache_tensor(layer_id, module)
+                if kv is not None:
+                    kv_cache_data[f"layer_{layer_id}"] = kv
+                    break
+            else:
+                raise RuntimeError(f"no attention builder bound a cache to layer {layer_id} ({module.attn_type})")
+        set_kv_cache_data(kv_cache_data)
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
+        """Run one scheduled batch (decode rows and prompt chunks alike); sample where a request reaches its end.
+
+        A decode row carrying drafts is scored at each of its positions and verified; the
+        proposer then drafts the next step's tokens from what was accepted.
+        """
+        t0 = time.perf_counter()
+        metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
+        meta = next(iter(metas.values()))
+        input_ids = torch.tensor(batch.scheduled_tokens, dtype=torch.int64, device=self.device)
+        rows = [i for i, s in enumerate(batch.do_sample) if s]
+        sample_ids = [batch.req_ids[i] for i in rows]
+        spec = batch.scheduled_spec_decode_tokens
+        drafts = [spec.get(rid, []) for rid in sample_ids]
+        set_forward_context(
+            attn_metadata_by_type=metas,
+            atom_config=self.config,
+            context=Context(
+                positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
+            ),
+            argmax_only=(argmax_only := self.screens_lm_head and self._argmax_only(sample_ids, seqs)),
+        )
+        ends = meta.query_start_loc_cpu[1:][rows]  # one past each sampling row's last token
+        t1 = time.perf_counter()
+        self._aux_hidden.clear()
+        try:
+            hidden = self.run_model(input_ids, meta.positions)
+            # Only the positions that sample reach the lm_head: a request's last token, or
+            # its last token and each draft; middle chunks and prompt tokens never do.
+            logits = None
+            if rows:
+                index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
+                # In the model's dtype; the sampler, the verifier and log probabilities widen them.
+                scored = hidden[torch.from_numpy(index).to(self.device)]
+                logits = self.model.compute_logits(scored)
+        finally:
+            reset_forward_context()
+        t2 = time.perf_counter()
+        tokens: list[list[int]] = []
+        # Where each sampling row's scored positions start in `logits` (its last token, then its drafts).
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]) if rows else np.zeros(0, dtype=np.int64)
+        if rows:
+            tokens = self._sample(logits, sample_ids, seqs, drafts, starts)
+            accepted = {row: len(t) - 1 for row, d, t in zip(rows, drafts, tokens) if d}
+            if accepted:
+                for builder in self.attn_builders.values():
+                    builder.commit_speculation(batch, accepted)
+        logprobs = self._logprobs(sample_ids, seqs, starts, tokens, logits) if rows else {}
+        prompt_logprobs = self._prompt_logprobs(batch, seqs, meta, hidden)
+        t3 = time.perf_counter()
+        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden)
+        timings = self.timings
+        timings["prepare"] += t1 - t0
+        timings["forward"] += t2 - t1
+        timings["sample"] += t3 - t2
+        timings["propose"] += time.perf_counter() - t3
+        # The logits each request sampled its last token from, a row per request of
+        # `last_req_ids`: for parity checks and debugging. An argmax-only step's logits may
+        # be mostly -inf, so its hidden states are kept instead, to compute them whole when asked.
+        self.last_req_ids = sample_ids
+        self._last_logits = logits if rows and not argmax_only else None
+        self._last_hidden = scored if rows and argmax_only else None
+        self._last_rows = starts + [len(t) - 1 for t in tokens] if rows else None
+        out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
+        out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
+        if proposals:
+            out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
+            out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
+        return out
+
+    def _sample(self, logits, sample_ids, seqs, drafts, starts) -> list[list[int]]:
+        """Per sampling request its tokens: the verifier's (accepted drafts, then one) for rows
+        with drafts, the configured sampler's for the others, so a plugin sampler keeps every
+        row it can serve and a seeded request draws alike whatever its neighbours drafted."""
+        drafting = [i for i, d in enumerate(drafts) if d]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        tokens: list[list[int]] = [[] for _ in drafts]
+        if plain:
+            rows = logits if not drafting else logits[torch.as_tensor(starts[plain], device=logits.device)]
+            sampled = self.sampler(rows, SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in plain))
+            sampled = sampled.tolist()
+            if len(sampled) != len(plain):
+                raise RuntimeError(
+                    f"sampler {self.config.sampler!r} returned {len(sampled)} token ids for {len(plain)} rows; "
+                    "a sampler returns one token id per row of logits"
+                )
+            for i, t in zip(plain, sampled):
+                tokens[i] = [t]
+        if drafting:
+            if plain:  # the drafting rows' positions only
+                parts = [torch.arange(starts[i], starts[i] + len(drafts[i]) + 1) for i in drafting]
+                rows = logits[torch.cat(parts).to(logits.device)]
+            else:
+                rows = logits
+            verified = self.verifier(
+                rows.float(),
+                [drafts[i] for i in drafting],
+                [seqs[sample_ids[i]].spec_token_probs for i in drafting],
+                SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in drafting),
+            )
+            for i, t in zip(drafting, verified):
+                tokens[i] = t
+        return tokens
+
+    @property
+    def last_logits(self) -> torch.Tensor:
+        """float32 [requests, vocab]: the logits each request of `last_req_ids` sampled its last
+        token from (selected when asked: parity checks and debugging, not every step)."""
+        logits = self._last_logits
+        if self._last_hidden is not None:
+            with torch.inference_mode():
+                logits = self.model.compute_logits(self._last_hidden)  # all rows at once: the step's kernel
+        if logits is None:
+            return torch.empty((0, 0))
+        return logits[torch.from_numpy(self._last_rows)].float()
+
+    @staticmethod
+    def _argmax_only(sample_ids: list[int], seqs: dict[int, Sequence]) -> bool:
+        """Whether this step reads nothing of its logits but each row's argmax: every sampling
+        request greedy without log probabilities or penalties (which move other logits past the
+        maximum; the sampler's part is `screens_lm_head`)."""
+        if not sample_ids:
+            return False
+        for rid in sample_ids:
+            params = seqs[rid].sampling_params
+            if not params.is_greedy or params.logprobs is not None or params.has_penalties:
+                return False
+        return True
+
+    def _logprobs(self, sample_ids, seqs, starts, tokens, logits) -> dict[int, list]:
+        """Each emitted token's log probability (and the top n) from the raw logits that scored it."""
+        out = {}
+        for rid, start, t in zip(sample_ids, starts.tolist(), tokens):
+            n = seqs[rid].sampling_params.logprobs
+            if n is not None:
+                out[rid] = token_logprobs(logits[start : start + len(t)], t, n)
+        return out
+
+    def _prompt_logprobs(self, batch, seqs, meta, hidden) -> dict[int, tuple[int, list]]:
+        """For requests that asked: (index of the first prompt token scored, entries) for this step's chunk.
+
+        Position p scores prompt token p + 1; tokens already scored before a preemption are skipped.
+        """
+        out = {}
+        for i, (rid, first, n) in enumerate(zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)):
+            seq = seqs[rid]
+            num_top = seq.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            lo = max(first, len(seq.prompt_logprobs) - 1)
+            hi = min(first + n, seq.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            at = int(meta.query_start_loc_cpu[i]) - first
+            logits = self.model.compute_logits(hidden[at + lo : at + hi]).float()
+            out[rid] = (lo + 1, token_logprobs(logits, seq.token_ids[lo + 1 : hi + 1], num_top))
+        return out
+
+    def _propose(self, batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) -> dict:
+        """The proposer's drafts for the requests that sampled, within each one's limit.
+
+        Called after every step, sampling or not: a proposer with KV layers of its own
+        writes them for every token the target kept (middle prompt chunks too).
+        """
+        if self.proposer is None:
+            return {}
+        row_seqs = [seqs[batch.req_ids[i]] for i in rows]
+        k, max_len = self.proposer.k, self.config.max_model_len
+        busy = crowded(self.config.speculative_config, len(batch.req_ids))
+        limits = [wanted_drafts(s, len(t), k, max_len, busy) for s, t in zip(row_seqs, tokens)]
+        if self.proposer.skips_idle_steps and not any(limits):
+            return {}
+        query_start_loc = meta.query_start_loc_cpu
+        # A sampling row's verified tokens end after its last accepted draft (whose successor
+        # is the token just sampled); every other row keeps all its tokens.
+        verified_end = query_start_loc[1:].copy()
+        verified_end[rows] = [int(e) - len(d) + len(t) - 1 for e, d, t in zip(ends, drafts, tokens)]
+        # The token after each row's last verified one: the next prompt token of a middle
+        # chunk, the token just emitted where the row sampled.
+        sampled = dict(zip(rows, tokens))
+        rows_info = zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)
+        next_token_ids = [
+            sampled[r][-1] if r in sampled else seqs[rid].token_ids[first + n] for r, (rid, first, n) in enumerate(rows_info)
+        ]
+        inp = ProposalInput(
+            seqs=row_seqs,
+            new_token_ids=tokens,
+            max_drafts=limits,
+            batch=batch,
+            batch_rows=rows,
+            input_ids=input_ids,
+            positions=meta.positions,
+            hidden_states=hidden,
+            aux_hidden_states=[self._aux_hidden[j] for j in range(len(self._aux_hidden))],
+            query_start_loc=query_start_loc,
+            verified_end=verified_end,
+            next_token_ids=next_token_ids,
+        )
+        proposed = self.proposer.propose(inp)
+        method = self.config.speculative_config.method
+        if len(proposed) != len(row_seqs):
+            raise RuntimeError(
+                f"proposer {method!r} returned {len(proposed)} entries for {len(row_seqs)} drafting rows; "
+                "propose() returns one Drafts (or None) per row of ProposalInput.seqs"
+            )
+        vocab = self.hf_config.vocab_size
+        out = {}
+        for seq, limit, d in zip(row_seqs, limits, proposed):
+            if d is not None and d.token_ids and limit:
+                if not all(0 <= t < vocab for t in d.token_ids):
+                    raise ValueError(f"proposer {method!r} drafted {d.token_ids} for request {seq.id}, outside [0, {vocab})")
+                d.token_ids = list(d.token_ids[:limit])
+                if d.probs is not None:
+                    d.probs = d.probs[:limit]
+                out[seq.id] = d
+        return out
