@@ -15,7 +15,8 @@ from atom_core.plugins.manager import get_plugin_manager, get_registry  # noqa: 
 from atom_core.plugins.registry import Registry, RegistryError  # noqa: E402
 from atom_core.request import RequestOutput  # noqa: E402
 from atom_core.sampling_params import SamplingParams  # noqa: E402
-from atom_core.sched.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler  # noqa: E402
+from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput  # noqa: E402
+from atom_core.sched.scheduler import Scheduler  # noqa: E402
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType  # noqa: E402
 
 

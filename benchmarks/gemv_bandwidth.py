@@ -29,8 +29,9 @@ from typing import Callable
 import torch
 
 from atom_core.platform.cpu_features import cpu_features
-from atom_core.layers.linear import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
-from atom_core.layers.quant import Int4PackGemm, StreamingGroupGemm, quantize_int4
+from atom_core.layers.gemm import _onednn_linear, gemv_ops, PACK_ROWS, StreamingGemm
+from atom_core.layers.quantized_gemm import Int4PackGemm, StreamingGroupGemm
+from atom_core.layers.quantized_weight import quantize_int4
 from atom_core.platform.memory import resident, weight_arena
 
 # SmolLM2's 30 layers: qkv, o, gate_up, down.

@@ -7,7 +7,7 @@ Two tables over the same text in windows of `--window` tokens (default: the GPL-
   its own `prompt_logprobs`;
 * formats `Config` does not offer (other group sizes, symmetric groups, other LM-head
   formats): transformers' LlamaForCausalLM on the converted SmolLM2 folder with every
-  nn.Linear swapped for the kernel `atom_core.layers.quant` picks for the format, the LM
+  nn.Linear swapped for the kernel `atom_core.layers.quantized_gemm` picks for the format, the LM
   head through `ExactTopLogits` as in Atom.
 
 Each relative to the same model in bfloat16 and in float32 (the file dequantized).
@@ -28,16 +28,12 @@ import transformers
 from torch import nn
 
 from atom_core.engine.fetch import fetch_default_model
-from atom_core.layers.quant import (
-    QuantizedWeight,
-    load_blocks,
-    pick_quantized_gemm,
-    quantize_int4,
-    quantize_int8,
-)
+from atom_core.layers.quantized_gemm import pick_quantized_gemm
+from atom_core.layers.quantized_weight import quantize_int4, quantize_int8, QuantizedWeight
+from atom_core.loading.gguf.blocks import load_blocks
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
-DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).parent.parent / "README.md")
+DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).parent.parent / "docs" / "performance.md")
 
 
 class QuantizedLinear(nn.Module):

@@ -102,8 +102,9 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     and for its LM head, per weight format, random weights of the model's shapes."""
     from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
 
-    from atom_core.layers.linear import PACK_ROWS, _onednn_linear
-    from atom_core.layers.quant import Int4PackGemm, Int8PackGemm, quantize_int4, quantize_int8
+    from atom_core.layers.gemm import _onednn_linear, PACK_ROWS
+    from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm
+    from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
     def onednn(w: torch.Tensor):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_ROWS)

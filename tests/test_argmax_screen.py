@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from atom_core import SamplingParams, get_plugin_manager, hookimpl  # noqa: E402
 from atom_core.forward_context import reset_forward_context, set_forward_context  # noqa: E402
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head  # noqa: E402
-from atom_core.layers.linear import Linear, StreamingGemm, gemv_ops, mark_lm_heads, pick_gemm  # noqa: E402
+from atom_core.layers.gemm import gemv_ops, pick_gemm, StreamingGemm  # noqa: E402
+from atom_core.layers.linear import Linear, mark_lm_heads  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.runner.sampler import Sampler  # noqa: E402
 from model_utils import build_tiny_model, random_prompts  # noqa: E402

@@ -123,7 +123,7 @@ def test_greedy_output_is_unchanged_under_preemption(target):
 def test_eagle3_shares_a_tied_targets_embedding(tmp_path, quantization):
     """A tied target's embedding reads its rows from its LM head's kernel (the streaming
     kernel's tiled copy, or the quantized weight); a draft without its own shares it all the same."""
-    from atom_core.layers.linear import gemv_ops
+    from atom_core.layers.gemm import gemv_ops
 
     if quantization == "none":
         require_kernel(gemv_ops())  # the tiled copy is the streaming kernel's

@@ -24,9 +24,11 @@ from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams, hookimpl  # noqa: E402
 from atom_core.loading.gguf.architecture import GGUFArchitecture  # noqa: E402
-from atom_core.loading.gguf.loader import gguf_to_hf_folder, load_gguf  # noqa: E402
+from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
 from atom_core.layers import FusedMoE  # noqa: E402
-from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, load_blocks  # noqa: E402
+from atom_core.layers.quantized_gemm import Int8PackGemm, StreamingGroupGemm  # noqa: E402
+from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
 from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
@@ -118,7 +120,7 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
 
 
 def test_expert_and_permuted_blocks_are_exported_exactly(converted, tmp_path):
-    from atom_core.layers.linear import gemv_ops
+    from atom_core.layers.gemm import gemv_ops
 
     require_kernel(gemv_ops())
     """A Q8_0 Mixtral: every expert's blocks and the unpermuted Q/K blocks, beside float weights

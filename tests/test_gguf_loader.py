@@ -16,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
-from atom_core.loading.gguf.loader import gguf_to_hf_folder, load_gguf  # noqa: E402
-from atom_core.layers.quant import load_blocks  # noqa: E402
+from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
+from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
 
 torch.set_num_threads(1)
@@ -248,7 +249,7 @@ def test_two_files_of_one_name_size_and_time_convert_apart(tmp_path, monkeypatch
     import os
     import shutil
 
-    import atom_core.loading.gguf.loader
+    import atom_core.loading.gguf.convert
     from atom_core.engine.llm_engine import resolve_model
 
     def convert(path: Path, out: Path) -> Path:  # what a conversion leaves, and which file it was
@@ -257,7 +258,7 @@ def test_two_files_of_one_name_size_and_time_convert_apart(tmp_path, monkeypatch
         (out / GGUF_BLOCKS_FILE).touch()
         return out
 
-    monkeypatch.setattr(atom_core.loading.gguf.loader, "gguf_to_hf_folder", convert)
+    monkeypatch.setattr(atom_core.loading.gguf.convert, "gguf_to_hf_folder", convert)
     monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

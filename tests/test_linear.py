@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from atom_core.platform.cpu_features import cpu_features  # noqa: E402
-from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding, StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
+from atom_core.layers.gemm import gemv_ops, gemv_weight, StreamingGemm  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding  # noqa: E402
 from conftest import require_kernel  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -46,7 +47,7 @@ def test_packed_gemm_matches_plain_at_every_row_count(dtype, bias):
 @needs_onednn
 def test_untied_weight_is_freed_and_tied_weight_survives(monkeypatch):
     # as with ATOM_DISABLE_GEMV=1: the streaming kernel keeps the plain weight on purpose
-    monkeypatch.setattr("atom_core.layers.linear.gemv_ops", lambda: None)
+    monkeypatch.setattr("atom_core.layers.gemm.gemv_ops", lambda: None)
     layer = loaded(Linear(64, 32), torch.float32)
     ref = weakref.ref(layer.weight)
     layer.process_weights_after_loading()

@@ -305,8 +305,9 @@ def test_packed_experts_against_float64(dtype, hidden, inter, kernel_variant, mo
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 @pytest.mark.parametrize("inter", [96, 40])  # 40: the down projection's K is no multiple of 32 (per channel)
 def test_quantized_experts_against_float64_of_their_dequantized_weights(mode, tokens, inter):
-    from atom_core.layers.linear import gemv_ops
-    from atom_core.layers.quant import Int8PackGemm, StreamingGroupGemm, _quantize
+    from atom_core.layers.gemm import gemv_ops
+    from atom_core.layers.quantized_gemm import Int8PackGemm, StreamingGroupGemm
+    from atom_core.loading.quantize import _quantize
 
     require_kernel(gemv_ops())
 

@@ -13,27 +13,26 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from atom_core.layers.linear import gemv_ops  # noqa: E402
+from atom_core.layers.gemm import gemv_ops  # noqa: E402
 from conftest import require_kernel  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
 
 from atom_core import Config, SamplingParams  # noqa: E402
-from atom_core.loading.gguf.loader import _quantized_weight, load_gguf, write_gguf_blocks  # noqa: E402
-from atom_core.layers import quant  # noqa: E402
+from atom_core.loading.gguf.blocks import _quantized_weight, write_gguf_blocks  # noqa: E402
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
+from atom_core.layers import quantized_gemm  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
-from atom_core.layers.quant import (  # noqa: E402
+from atom_core.layers.embedding import QuantizedEmbedding  # noqa: E402
+from atom_core.layers.quantized_gemm import (  # noqa: E402
     ExactTopLogits,
-    load_blocks,
     Int4PackGemm,
-    StreamingGroupGemm,
     Int8PackGemm,
-    QuantizedEmbedding,
-    QuantizedWeight,
-    quantize_int4,
+    StreamingGroupGemm,
     quantized_linear,
-    quantize_int8,
 )
+from atom_core.layers.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
+from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
 
@@ -156,7 +155,7 @@ def test_embedding_rows_from_a_quantized_table():
 
 
 def test_fallback_dequantizes_where_there_is_no_kernel(monkeypatch, caplog):
-    monkeypatch.setattr(quant, "_cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(quantized_gemm, "_cpu_kernels_available", lambda: False)
     layer = Linear(64, 32, bias=False)
     with torch.no_grad():
         layer.weight.copy_(weight(32, 64))
@@ -367,7 +366,7 @@ def test_streaming_group_kernel_against_float64(bits, kernel_variant):
     """The kernel at every row count of a pass and past it (1-9, 17, 64, 700), an odd number of
     groups, a bias, float32, bfloat16 and float16 activations: against the float64 product of
     x and the weight it holds (float16 scales and mins), in each variant this host runs."""
-    from atom_core.layers.linear import gemv_ops
+    from atom_core.layers.gemm import gemv_ops
 
     ops = require_kernel(gemv_ops(kernel_variant))
     gen = torch.Generator().manual_seed(3)

@@ -61,7 +61,7 @@ def test_batched_greedy_tokens_equal_transformers_from_the_gguf(engine, prompts,
 def test_penalised_greedy_requests_read_whole_logits_and_equal_transformers(engine, prompts, hf_model):
     """A greedy request with a repetition penalty never takes the screened LM head (whose rows
     are -inf away from the top): its tokens are transformers' with the same penalty."""
-    from atom_core.layers.linear import gemv_ops
+    from atom_core.layers.gemm import gemv_ops
 
     require_kernel(gemv_ops())  # the screen's 8-bit pass is the kernel's
     assert engine.runner.screens_lm_head
@@ -110,7 +110,8 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     between GEMMs) and the Q8_0 LM head's near-top logits are exact: the first answer token,
     "The", leads "L" by only 0.08 in float32."""
     from atom_core.layers.cpp import kernels_enabled
-    from atom_core.layers.quant import ExactTopLogits, Int4PackGemm, QuantizedEmbedding, StreamingGroupGemm
+    from atom_core.layers.embedding import QuantizedEmbedding
+    from atom_core.layers.quantized_gemm import ExactTopLogits, Int4PackGemm, StreamingGroupGemm
     from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
     default = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)

@@ -65,7 +65,7 @@ def test_speculation_makes_every_gemm_batch_invariant(llama, quantization):
     speculative config every Linear's kernel serves every row count alike (float weights:
     oneDNN, the small-row fast path off; quantized groups of 32: the streaming kernel, which
     always is), so greedy tokens equal plain greedy under quantized weights too."""
-    from atom_core.layers.linear import gemv_ops
+    from atom_core.layers.gemm import gemv_ops
 
     require_kernel(gemv_ops())  # what it checks is the kernels' choice between row counts
     from atom_core.layers.linear import gemm_kernels

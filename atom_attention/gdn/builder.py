@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_core.runner.attention_builder import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
-from atom_core.sched.scheduler import ScheduledBatch
+from atom_core.sched.batch import ScheduledBatch
 from atom_attention.gdn import ops as gdn_ops
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -6,7 +6,7 @@ import torch
 
 from atom_core.runner.attention_builder import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
 from atom_core.platform.memory import empty_resident
-from atom_core.sched.scheduler import ScheduledBatch
+from atom_core.sched.batch import ScheduledBatch
 from atom_attention import cpu_kernels
 from atom_attention.mha.cpu_paged import CpuPagedAttention
 from atom_attention.mha.torch_paged import TorchPagedAttention

@@ -40,7 +40,7 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
         from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
         if not (out_dir / GGUF_BLOCKS_FILE).is_file():  # converted before Atom kept the quantized blocks
-            from atom_core.loading.gguf.loader import write_gguf_blocks
+            from atom_core.loading.gguf.blocks import write_gguf_blocks
 
             _say(quiet, f"atom: adding the quantized weights of {DEFAULT_MODEL_NAME} to {out_dir} (one time)")
             write_gguf_blocks(default_model_gguf(cache, quiet), out_dir)
@@ -49,7 +49,7 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
     gguf_file = default_model_gguf(cache, quiet)
     _say(quiet, f"atom: converting {gguf_file.name} into {out_dir} (one time)")
 
-    from atom_core.loading.gguf.loader import gguf_to_hf_folder  # torch + transformers: only when needed
+    from atom_core.loading.gguf.convert import gguf_to_hf_folder  # torch + transformers: only when needed
 
     try:
         gguf_to_hf_folder(gguf_file, out_dir)

@@ -47,7 +47,8 @@ import torch
 
 from atom_core.forward_context import get_forward_context
 from atom_core.layers.ops import near_max
-from atom_core.layers.quant import StreamingGroupGemm, quantize_int8
+from atom_core.layers.quantized_gemm import StreamingGroupGemm
+from atom_core.layers.quantized_weight import quantize_int8
 
 GROUP = 32
 ROUNDOFF = 2.0**-24  # float32's unit roundoff

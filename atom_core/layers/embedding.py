@@ -1,5 +1,5 @@
 """Embeddings whose table lives in another layer's kernel: a tied LM head's quantized weight
-(`quant.QuantizedEmbedding`) or its streaming kernel's tiled copy (`linear.StreamedEmbedding`).
+(`QuantizedEmbedding`) or its streaming kernel's tiled copy (`linear.StreamedEmbedding`).
 
 Why one base: code that shares a model's token embedding (a draft model's proposer) accepts
 any of them as it accepts `nn.Embedding`, and each checks its ids as `nn.Embedding` does
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from atom_core.layers.quantized_weight import QuantizedWeight
 
 
 class LookupEmbedding(nn.Module):
@@ -48,3 +50,17 @@ def replace_embedding(model: nn.Module, name: str, embedding: LookupEmbedding) -
     """Put `embedding` where `model`'s submodule `name` was."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, embedding)
+
+
+class QuantizedEmbedding(LookupEmbedding):
+    """An embedding tied to a quantized LM head: rows are dequantized as they are looked up.
+
+    Keeps no float copy of the table; for a GGUF Q8_0 table the rows are exactly the file's.
+    """
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(*qw.shape)
+        self.qw, self.dtype = qw, dtype
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qw.dequantize(self.dtype, rows=ids)

@@ -33,9 +33,9 @@ from torch import nn
 
 from atom_core.platform.cpu_features import cpu_features
 from atom_core.layers.cpp import CppKernel
-from atom_core.layers.linear import StreamingGemm, pick_gemm
+from atom_core.layers.gemm import pick_gemm, StreamingGemm
 from atom_core.layers.ops import silu_and_mul
-from atom_core.layers.quant import pick_quantized_gemm
+from atom_core.layers.quantized_gemm import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
 
 __all__ = ["FusedMoE", "ExpertNameMapper", "ROUTERS", "register_router", "select_experts"]

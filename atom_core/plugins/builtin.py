@@ -18,5 +18,5 @@ def atom_register_scheduler_policies(registry):
 @hookimpl
 def atom_register_cpp_kernels(registry):
     registry.register("cpu_ops", "atom_core.layers.ops:CPU_OPS_KERNEL")
-    registry.register("gemv", "atom_core.layers.linear:GEMV_KERNEL")
+    registry.register("gemv", "atom_core.layers.gemm:GEMV_KERNEL")
     registry.register("moe", "atom_core.layers.moe:MOE_KERNEL")

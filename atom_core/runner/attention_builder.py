@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from atom_core.sched.scheduler import ScheduledBatch
+    from atom_core.sched.batch import ScheduledBatch
 
 
 @attrs.define

@@ -27,11 +27,11 @@ from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepar
 from atom_core.platform.memory import release_freed_heap, weight_arena
 from atom_core.loading.checkpoint import load_model_weights
 from atom_core.runner.logprobs import token_logprobs
-from atom_core.layers.quant import quantize_model
+from atom_core.loading.quantize import quantize_model
 from atom_core.plugins.manager import get_registry
 from atom_core.sched.policy import policy_class
 from atom_core.runner.sampler import SamplingMetadata, reads_argmax_only
-from atom_core.sched.scheduler import ScheduledBatch, ScheduledBatchOutput
+from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sequence import Sequence
 from atom_core.sched.speculative import ProposalInput, Proposer, crowded, wanted_drafts
 

@@ -21,7 +21,7 @@ import numpy as np
 if TYPE_CHECKING:  # `import atom_core` loads no torch (the scheduler imports this module)
     import torch
 
-    from atom_core.sched.scheduler import ScheduledBatch
+    from atom_core.sched.batch import ScheduledBatch
     from atom_core.sequence import Sequence
 
 logger = logging.getLogger("atom")

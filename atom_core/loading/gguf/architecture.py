@@ -1,4 +1,4 @@
-"""How a model plugin describes one GGUF architecture to `atom_core.loading.gguf.loader`.
+"""How a model plugin describes one GGUF architecture to `atom_core.loading.gguf.reader`.
 
 llama.cpp's converter writes every architecture its own way: which metadata keys hold the
 hyperparameters, what each tensor is called, which tensors it permutes, stacks or splits.

@@ -1,4 +1,4 @@
-"""Turn a GGUF file (llama.cpp's format) into Hugging Face-format weights and config.
+"""Read a GGUF file (llama.cpp's format) as Hugging Face-format weights and config.
 
 Atom's models read Hugging Face folders (config.json + model.safetensors + tokenizer), and
 small models are easiest to ship as GGUF. This module bridges the two with the `gguf`
@@ -6,7 +6,7 @@ package: `gguf.quants.dequantize` for every tensor type it knows, gguf's own ten
 and names for the file's side, so the result equals what transformers itself loads from
 the same file. What is particular to one architecture (its config keys, its tensor names,
 the tensors llama.cpp permutes, stacks or splits) is not here: the model plugin that runs
-it registers a `GGUFArchitecture` (atom_core/gguf_arch.py) under the file's
+it registers a `GGUFArchitecture` (`architecture.py`) under the file's
 `general.architecture` name, through the `atom_register_gguf_architectures` hook.
 
 Not imported by `atom_core/__init__.py`: the core imports without torch.
@@ -14,26 +14,18 @@ Not imported by `atom_core/__init__.py`: the core imports without torch.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType, Keys, MODEL_TENSOR
-from safetensors.torch import save_file
+from gguf import MODEL_TENSOR, GGMLQuantizationType, Keys
 
 from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined
-from atom_core.layers.quant import QuantizedWeight, save_blocks
-from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
 __all__ = ["gguf_to_hf_folder", "load_gguf", "supported_architectures", "write_gguf_blocks"]
 
@@ -56,48 +48,6 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
     """
     reader = gguf.GGUFReader(path)
     return _load(reader, dtype)
-
-
-def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Write a GGUF model as a Hugging Face folder at `out_dir` and return its path.
-
-    Writes config.json, model.safetensors, generation_config.json and the tokenizer
-    (tokenizer.json, tokenizer_config.json, chat_template.jinja). Weights are float32,
-    except float16/bfloat16 when every matrix in the file is stored that way (then the
-    narrower type loses nothing); the quantized blocks go to `GGUF_BLOCKS_FILE` as well.
-    Everything is written into a hidden sibling folder that is renamed to `out_dir` at the
-    end, so a crash never leaves a half-written `out_dir`.
-    Raises FileExistsError if `out_dir` already exists and is not empty.
-    """
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    reader = gguf.GGUFReader(gguf_path)
-    dtype = _storage_dtype(reader)
-    config, state = _load(reader, dtype)
-
-    # Hidden and unique: never mistaken for the finished folder, never shared by two writers.
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # unlike tempfile.mkdtemp, keeps the umask's permissions for a shared cache
-    try:
-        _write_json(tmp / "config.json", config)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # written 0600
-        del state
-        _write_blocks(reader, gguf_path.name, tmp)  # what `quantization="auto"` loads
-        _write_json(tmp / "generation_config.json", _generation_config(reader, config))
-        _save_tokenizer(gguf_path, reader, config, tmp)
-        try:
-            os.rename(tmp, out_dir)  # atomic; replaces only an empty directory
-        except OSError as exc:
-            raise FileExistsError(f"{out_dir} appeared while converting {gguf_path.name}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -343,167 +293,6 @@ def _check_complete(config: dict, state: dict[str, torch.Tensor]) -> None:
         )
 
 
-# Block layouts (ggml-common.h): an fp16 scale d (and min m for Q4_1), then the values.
-# Q4_0/Q4_1/Q5_0 keep element j of a block of 32 in the low nibble of byte j, element j + 16
-# in its high nibble (Q5_0: the fifth bits in a uint32 ahead of them). Q4_K: super-blocks of
-# 256, eight groups of 32 with 6-bit scales and mins; each 32 bytes of nibbles hold two groups.
-_BLOCK_BYTES = {
-    GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q8_0: (32, 34),
-    GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q4_K: (256, 144),
-}  # fmt: skip
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes -> [..., 32] values: the low nibbles, then the high ones."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
-
-
-def _quantized_weight(tensor: Any) -> QuantizedWeight | None:
-    """The tensor's blocks as a `QuantizedWeight` in groups of 32 for Q4_0, Q4_1, Q4_K (4 bits)
-    and Q8_0, Q5_0 (8 bits); else None. The integers exactly; scales and zeros in float32,
-    exact but for Q4_K's (d * scale) and (8 d scale - dmin * min), rounded once where their
-    bits exceed float32's 24.
-
-    A stack of matrices (a layer's experts, [experts, rows, K]) comes as one [experts * rows, K]
-    weight, whose row blocks are the experts."""
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    if qtype not in _BLOCK_BYTES or len(tensor.shape) < 2:
-        return None
-    k, n = int(tensor.shape[0]), math.prod(int(d) for d in tensor.shape[1:])  # innermost first
-    block, nbytes = _BLOCK_BYTES[qtype]
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // block, nbytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == GGMLQuantizationType.Q8_0:
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantizedWeight(8, 32, torch.from_numpy(q), torch.from_numpy(d), None, qtype.name)
-    if qtype == GGMLQuantizationType.Q5_0:  # d * (q5 - 16): 8 bits, symmetric
-        high = blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)
-        q5 = _nibbles(blocks[..., 6:]) | ((high & 1).astype(np.uint8) << 4)
-        q = (q5.astype(np.int8) - 16).reshape(n, k)
-        return QuantizedWeight(8, 32, torch.from_numpy(q), torch.from_numpy(d), None, qtype.name)
-    if qtype == GGMLQuantizationType.Q4_K:  # group g: d * sc_g * q - dmin * m_g
-        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-        scales = d[..., None] * sc.reshape(n, k // 256, 8).astype(np.float32)
-        zeros = 8 * scales - dmin[..., None] * mn.reshape(n, k // 256, 8).astype(np.float32)
-        qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)  # 32 bytes: groups 2j (low nibbles) and 2j + 1
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
-        return QuantizedWeight(
-            4, 32, torch.from_numpy(q), torch.from_numpy(scales.reshape(n, -1)),
-            torch.from_numpy(zeros.reshape(n, -1)), qtype.name,
-        )  # fmt: skip
-    if qtype == GGMLQuantizationType.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + 8 * d  # d * q + m == (q - 8) * d + (m + 8 * d), exact in float32
-        packed = blocks[..., 4:]
-    else:
-        zeros = np.zeros_like(d)  # d * (q - 8)
-        packed = blocks[..., 2:]
-    q = _nibbles(packed).reshape(n, k)
-    return QuantizedWeight(4, 32, torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros), qtype.name)
-
-
-def write_gguf_blocks(gguf_path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
-    """Save the GGUF file's quantized blocks next to its converted weights (`GGUF_BLOCKS_FILE`).
-
-    Q4_0, Q4_1, Q4_K, Q5_0 and Q8_0 matrices are stored as `quant.save_blocks` lays them out, with
-    llama.cpp's Q/K row permutation undone as `load_gguf` does; every matrix's GGUF type is
-    recorded, so `quantization="auto"` knows which others to requantize. Written to a
-    temporary name and renamed, so a reader never sees half a file.
-    """
-    return _write_blocks(gguf.GGUFReader(gguf_path), Path(gguf_path).name, Path(folder))
-
-
-def _write_blocks(reader: gguf.GGUFReader, source: str, folder: Path) -> Path:
-    _, config, plan = _describe(reader, torch.float32)
-    weights: dict[str, tuple[str, QuantizedWeight | None]] = {}
-    for tensor in reader.tensors:
-        target = plan.get(tensor.name)
-        if target is None or len(tensor.shape) < 2:
-            continue
-        gguf_type = GGMLQuantizationType(tensor.tensor_type).name
-        if target.joined is not None:  # rebuilt from float parts: its type only, the first part's
-            weights.setdefault(target.hf_name, (gguf_type, None))
-            continue
-        qw = _quantized_weight(tensor)
-        if qw is not None and target.heads is not None:
-            qw = qw.map_rows(lambda t, h=target.heads: _unpermute(t, h).contiguous())
-        for hf_name, part in _expert_blocks(target.hf_name, qw, int(tensor.shape[-1]) if len(tensor.shape) > 2 else 1):
-            weights[hf_name] = (gguf_type, part)
-    target = folder / GGUF_BLOCKS_FILE
-    tmp = folder / f".{GGUF_BLOCKS_FILE}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        save_blocks(weights, tmp, source=source)
-        os.chmod(tmp, (folder / "config.json").stat().st_mode & 0o777)  # written 0600, like the weights
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def _expert_blocks(
-    hf_name: str, qw: QuantizedWeight | None, experts: int
-) -> Iterator[tuple[str, QuantizedWeight | None]]:
-    """`_per_expert` for blocks: a stack's row blocks, one per expert."""
-    if "{xid}" not in hf_name:
-        yield hf_name, qw
-        return
-    rows = qw.shape[0] // experts if qw is not None else 0
-    for xid in range(experts):
-        part = None if qw is None else qw.map_rows(lambda t, a=xid * rows: t[a : a + rows].contiguous())
-        yield hf_name.format(xid=xid), part
-
-
-def _storage_dtype(reader: gguf.GGUFReader) -> torch.dtype:
-    """float16/bfloat16 if every matrix is stored that way, else float32 (quantized sources)."""
-    types = {GGMLQuantizationType(t.tensor_type) for t in reader.tensors if len(t.shape) >= 2}
-    if types == {GGMLQuantizationType.F16}:
-        return torch.float16
-    if types == {GGMLQuantizationType.BF16}:
-        return torch.bfloat16
-    return torch.float32
-
-
 # --- writing -------------------------------------------------------------------------------
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _generation_config(reader: gguf.GGUFReader, config: dict) -> dict:
-    """bos/eos/pad from the file; end-of-turn/-message tokens also stop generation."""
-    eos = [config["eos_token_id"]] if config["eos_token_id"] is not None else []
-    for key in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
-        value = _field(reader, key)
-        if value is not None and int(value) not in eos:
-            eos.append(int(value))
-    generation = {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-    }
-    if config["pad_token_id"] is not None:
-        generation["pad_token_id"] = config["pad_token_id"]
-    return generation
-
-
-def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, config: dict, out_dir: Path) -> None:
-    """transformers' own GGUF tokenizer conversion, with the chat template checked on disk."""
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except ValueError:
-        # transformers reads the tokenizer of any GGUF file, but picks its class from a config it
-        # rebuilds only for the architectures it knows (not deepseek2): the generic class then.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name
-        )
-    tokenizer.model_max_length = config["max_position_embeddings"]
-    template = _field(reader, Keys.Tokenizer.CHAT_TEMPLATE)
-    if template is not None and not tokenizer.chat_template:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out_dir))
-    if template is not None:
-        saved = [out_dir / "chat_template.jinja", out_dir / "tokenizer_config.json"]
-        on_disk = (p.read_text() for p in saved if p.exists())
-        if not any(template in text or json.dumps(template) in text for text in on_disk):
-            raise RuntimeError(f"the chat template of {gguf_path.name} was lost when saving the tokenizer")

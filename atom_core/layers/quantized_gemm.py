@@ -1,0 +1,267 @@
+"""The kernels for quantized weights (`QuantizedWeight`), and `pick_quantized_gemm`, which
+chooses among them as `pick_gemm` does for float weights.
+
+On CPU: the streaming kernel's `qgemm` for groups of 32 (4 or 8 bits); torch's
+`_weight_int4pack_mm_for_cpu` for other 4-bit groups and for 8-bit groups (run exactly as
+two 4-bit halves; at batch 1 faster than the per-channel kernel, and groups of 32 cost no
+perplexity where per channel cost some on SmolLM2), `_weight_int8pack_mm` for 8 bits per
+channel. torch's kernels take bfloat16 activations (with float32 ones they measured 10-100x
+slower); the model's own dtype runs between GEMMs. Elsewhere the weight is dequantized once
+and runs as a float weight. An LM head's kernel is wrapped in `ExactTopLogits`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from atom_core.layers.cpp import compiled_op
+from atom_core.layers.gemm import gemv_ops, pick_gemm
+from atom_core.layers.ops import near_max
+from atom_core.layers.quantized_weight import KERNEL_DTYPE, INT4_GROUP_SIZES, QuantizedWeight
+from atom_core.platform.memory import resident
+
+logger = logging.getLogger("atom")
+
+
+class Int4PackGemm:
+    """torch's `_weight_int4pack_mm_for_cpu` on a 4-bit weight, or on an 8-bit grouped one split exactly.
+
+    q = 16 * hi + lo with hi = q >> 4 in -8..7 and lo = q & 15: the hi half is a 4-bit group
+    with scale 16 * s and zero 0, the lo half one with scale s and zero 8 * s, and one GEMM
+    over [x, x] (2K wide) sums them. Rows are padded to the kernel's multiple of 16.
+    """
+
+    def __init__(self, qw: QuantizedWeight):
+        n, k = qw.shape
+        if qw.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"torch's int4 kernel takes groups of {INT4_GROUP_SIZES}, not {qw.group_size}")
+        if qw.bits == 4:
+            scales, zeros = qw.scales, qw.zeros
+        else:
+            scales = torch.cat([qw.scales * 16, qw.scales], dim=1)
+            zeros = torch.cat([torch.zeros_like(qw.scales), qw.scales * 8], dim=1)
+        self.doubled = qw.bits == 8
+        self.out_features, self.in_features, self.group_size = n, k, qw.group_size
+        pad = -n % 16
+        if pad:  # padded rows are (8 - 8) * 0 + 0 = 0
+            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+        # Packed by row blocks (the layout is per row): int32 nibbles of a whole vocabulary are big.
+        self.packed = resident(torch.cat([
+            torch._convert_weight_to_int4pack_for_cpu(self._nibbles(qw.qweight[i : i + self.PACK_ROWS], pad), 1)
+            for i in range(0, n, self.PACK_ROWS)
+        ]))  # fmt: skip
+        self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+
+    PACK_ROWS = 4096  # a multiple of 16
+
+    def _nibbles(self, q: torch.Tensor, pad: int) -> torch.Tensor:
+        """int32 values 0..15 the packing takes; the last block gets the padding rows."""
+        q = q.to(torch.int32)
+        if self.doubled:
+            q = torch.cat([(q >> 4) + 8, q & 15], dim=1)
+        if q.shape[0] % 16:
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+        return q.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        if self.doubled:
+            a = torch.cat([a, a], dim=1)
+        out = torch._weight_int4pack_mm_for_cpu(a.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class StreamingGroupGemm:
+    """4- or 8-bit groups of 32 through Atom's own kernel (`gemv_cpu.cpp`'s `qgemm`).
+
+    The weight is repacked in tiles of 16 output columns (see the kernel's comment) with
+    float16 scale and min per group, exact for GGUF Q4_0/Q4_1/Q5_0/Q8_0 (Q4_K: rounded), and multiplied with
+    integer dot products (vpdpwssd) against x rounded per group of 32 to int16: about 16
+    significant bits, where torch's int4 kernel takes bfloat16 (8). It serves every row
+    count and computes each row alike whatever the count, so it is batch-invariant by
+    construction (speculative decoding's verify rows round as plain decode rows do), and
+    one copy of the weights serves decode and prefill.
+    """
+
+    batch_invariant = True
+    TILE = 16
+
+    def __init__(self, qw: QuantizedWeight, ops: Any):
+        n, k = qw.shape
+        if qw.group_size != 32 or k % 32:
+            raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
+        self.ops, self.bits = ops, qw.bits
+        self.out_features, self.in_features = n, k
+        self.qweight, self.scales, self.mins = map(resident, self.pack(*self.codes(qw), qw.bits))
+
+    @staticmethod
+    def codes(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the kernel multiplies by: unsigned q [N, K], float16 scales and mins [N, K / 32],
+        w = q * scale + min."""
+        scales = qw.scales.to(torch.float16)
+        if qw.bits == 4:  # q in 0..15
+            return qw.qweight.to(torch.uint8), scales, (qw.zeros - 8 * qw.scales).to(torch.float16)
+        # q + 128 in 0..255, min -128 scale
+        return (qw.qweight.to(torch.int16) + 128).to(torch.uint8), scales, (-128 * scales.float()).to(torch.float16)
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+        """q [N, K] (unsigned), scales and mins [N, K / 32] -> the kernel's tiles of 16 columns.
+
+        Per tile and group, lane c of vector p holds column c's values at k = 2p, 2p + 1; at 4
+        bits vectors 4j .. 4j + 3 share 64 bytes, their values at lane i in the nibbles of
+        int16 i (vector 4j lowest).
+        """
+        n, k = q.shape
+        g, pad = k // 32, -n % cls.TILE
+        q, scales, mins = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, mins))  # zero columns
+        t = (n + pad) // cls.TILE
+        if bits == 4:  # k = 8 j + 2 h + i: int16 (j, 2 c + i) = sum over h of q[c][8j + 2h + i] << 4h
+            v = q.reshape(t, cls.TILE, g, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).to(torch.int32)
+            lanes = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
+            packed = lanes.to(torch.int16).view(torch.uint8)  # little-endian bytes, wrapped past 2^15
+        else:  # k = 2 p + i: byte (p, 2 c + i) = q[c][2p + i]
+            packed = q.reshape(t, cls.TILE, g, 16, 2).permute(0, 2, 3, 1, 4)
+        per_group = lambda x: x.reshape(t, cls.TILE, g).transpose(1, 2).contiguous()  # noqa: E731
+        return packed.reshape(t, g, -1).contiguous(), per_group(scales), per_group(mins)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a model's 2-D activations: no reshapes
+        out = self.qgemm(rows, None)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def qgemm(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The kernel on 2-D rows; as the torch op while `torch.compile` traces (pybind calls break its graph)."""
+        if torch.compiler.is_compiling():
+            return compiled_op(self.ops, "qgemm")(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
+        return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
+
+
+class Int8PackGemm:
+    """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel.
+
+    The kernel reads K in steps of 16: at other widths it returned garbage or crashed
+    (torch 2.13, CPU), so K is padded with zero columns, and x with zeros to match.
+    """
+
+    K_STEP = 16
+
+    def __init__(self, qw: QuantizedWeight):
+        n, k = qw.shape
+        if qw.bits != 8 or qw.group_size != k:
+            raise ValueError(f"torch's int8 kernel takes one scale per output channel, not {qw.format}")
+        self.out_features, self.in_features = n, k
+        self.pad = -k % self.K_STEP
+        self.qweight = resident(F.pad(qw.qweight, (0, self.pad)).contiguous())
+        self.scales = qw.scales.reshape(n).to(KERNEL_DTYPE)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        a = (F.pad(a, (0, self.pad)) if self.pad else a).contiguous()
+        out = torch._weight_int8pack_mm(a, self.qweight, self.scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class ExactTopLogits:
+    """An LM head's kernel whose logits near each row's maximum are recomputed exactly in float32.
+
+    Why: the kernels take bfloat16 activations and round their output to bfloat16, steps of
+    0.125 at logits of 16-32, and SmolLM2's first answer token to "What is the capital of
+    France?" beats the runner-up by 0.08. Every logit within twice the kernel's error bound
+    of the row's maximum is recomputed from the quantized rows (exact values, float32
+    scales) and the float32 activations, so greedy picks what a float32 model of the same
+    weights picks; the others keep the kernel's value (off by at most that bound).
+    """
+
+    # bfloat16's unit roundoff (8 significant bits: one rounding moves a value by at most
+    # 2^-8 of it), with room for float32 accumulation.
+    EPS = 2.0**-8 * 1.01
+
+    def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor], qw: QuantizedWeight):
+        self.kernel, self.qw = kernel, qw
+        # Rounding the activations, and the scales and zeros, to bfloat16 moves logit n by at
+        # most EPS * |x| * (|w_n| + |b_n|) (Cauchy-Schwarz), b = `scale_magnitudes`; taken
+        # a block of rows at a time (a float32 vocabulary is big).
+        w_max = b_max = 0.0
+        for i in range(0, qw.shape[0], 4096):
+            block = qw.map_rows(lambda t: t[i : i + 4096])
+            w_max = max(w_max, float(block.dequantize().norm(dim=1).max()))
+            b_max = max(b_max, float(block.scale_magnitudes().norm(dim=1).max()))
+        self.row_bound = w_max + b_max
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernel(x)
+        if x.dtype != torch.float32 or x.numel() == 0:
+            return out  # bfloat16 activations: logits are no better than the kernel's anyway
+        x2 = x.reshape(-1, x.shape[-1])
+        out = out.reshape(x2.shape[0], -1).to(torch.float32)
+        rows, cols = near_max(out, torch.linalg.vector_norm(x2, dim=1) * self.row_bound, self.EPS)
+        exact = (x2[rows] * self.qw.dequantize(torch.float32, rows=cols)).sum(dim=1)
+        out[rows, cols] = exact
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def quantized_linear(
+    x: torch.Tensor, kernel: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`Linear`'s GEMM for a quantized weight: the kernel in its precision, the result in x's dtype."""
+    out = kernel(x)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: torch.Tensor | None) -> torch.Tensor:
+    """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
+    decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
+    if x.dim() == 2 and bias is None and not torch.compiler.is_compiling():
+        return kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None)
+    return quantized_linear(x, kernel, bias)
+
+
+def _cpu_kernels_available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
+
+
+def pick_quantized_gemm(
+    qw: QuantizedWeight, device: torch.device, dtype: torch.dtype, exact_top: bool = False
+) -> tuple[Callable, Any]:
+    """The GEMM for a quantized weight and what it takes as its weight argument.
+
+    On CPU the torch kernels above (int8 per channel -> `_weight_int8pack_mm`, the rest ->
+    `_weight_int4pack_mm_for_cpu`), wrapped in `ExactTopLogits` for an LM head
+    (`exact_top`); elsewhere, or for a shape the kernels refuse, the weight is dequantized
+    once to `dtype` and takes the float path (`pick_gemm`).
+    """
+    if device.type == "cpu" and _cpu_kernels_available():
+        try:
+            if qw.bits == 8 and qw.group_size == qw.shape[1]:
+                kernel = Int8PackGemm(qw)
+            elif qw.group_size == 32 and (ops := gemv_ops()) is not None:
+                kernel = StreamingGroupGemm(qw, ops)
+            else:
+                kernel = Int4PackGemm(qw)
+            if exact_top:
+                return quantized_linear, ExactTopLogits(kernel, qw)
+            return (streaming_group_linear if isinstance(kernel, StreamingGroupGemm) else quantized_linear), kernel
+        except (ValueError, RuntimeError) as exc:
+            reason = str(exc)
+    else:
+        reason = f"no quantized kernel on {device.type}"
+    _warn_once(f"{qw.format} weights dequantized to {str(dtype).removeprefix('torch.')}: {reason}")
+    return pick_gemm(qw.dequantize(dtype).to(device))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("atom: %s", message)
