@@ -7,7 +7,9 @@ from types import ModuleType
 
 from atom_core.layers.cpp import CppKernel
 
-PAGED_ATTENTION_KERNEL = CppKernel("atom_paged_attention_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp")
+PAGED_ATTENTION_KERNEL = CppKernel(
+    "atom_paged_attention_cpu", Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+)
 
 
 def load(variant: str | None = None) -> ModuleType | None:

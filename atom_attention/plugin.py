@@ -1,6 +1,6 @@
 """Hook implementations only; builders are imported when a model asks for their type."""
 
-from atom_core import hookimpl
+from atom_core.plugin_api import hookimpl
 
 
 @hookimpl

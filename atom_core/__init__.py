@@ -8,8 +8,8 @@ from atom_core.platform.cpu_features import cap_torch_and_onednn
 
 cap_torch_and_onednn()  # under ATOM_CPU_ISA, before torch chooses its kernels
 
-from atom_core.kv.block_manager import Block, BlockManager  # noqa: E402
 from atom_core.config import Config, SpeculativeConfig  # noqa: E402
+from atom_core.kv.block_manager import Block, BlockManager  # noqa: E402
 from atom_core.plugins.hookspecs import hookimpl  # noqa: E402
 from atom_core.plugins.manager import get_plugin_manager, get_registry  # noqa: E402
 from atom_core.plugins.registry import Registry, RegistryError  # noqa: E402
@@ -18,7 +18,6 @@ from atom_core.sampling_params import SamplingParams  # noqa: E402
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput  # noqa: E402
 from atom_core.sched.scheduler import Scheduler  # noqa: E402
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType  # noqa: E402
-
 
 
 def __getattr__(name: str):

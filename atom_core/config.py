@@ -158,8 +158,6 @@ class Config:
     speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=_speculative_config)
     # Per-request state groups for stateful attention (GDN); 0 = the model keeps none.
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
-    # How many KV blocks one group's bytes are worth, for sizing the pool.
-    per_req_cache_equiv_blocks: int = attrs.field(default=0, validator=non_negative_int)
     # Precision of Gated DeltaNet per-request state: "float32" (exact) or "bfloat16" (half the memory).
     gdn_state_dtype: str = attrs.field(default="float32", validator=_one_of(("float32", "bfloat16")))
     # State checkpoints for prefix caching on a model with per-request state (GDN hybrids):

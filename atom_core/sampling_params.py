@@ -9,7 +9,6 @@ import attrs
 
 from atom_core._validators import boolean, in_unit_interval, is_number, token_id_list
 
-
 GREEDY_TEMPERATURE = 1e-5
 
 

@@ -17,10 +17,10 @@ import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import MODEL_TENSOR as T, Keys
+from gguf import MODEL_TENSOR as T
+from gguf import Keys
 from torch import nn
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, moe_tensors
 from atom_core.layers import (
     Linear,
     MergedLinear,
@@ -31,8 +31,21 @@ from atom_core.layers import (
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import QWEN_EXPERT_NAMES, FusedMoE, select_experts
 from atom_core.layers.rotary import rope_parameters, yarn_get_mscale
-from atom_core.loading.checkpoint import SKIP, packed_target
-from atom_models.llama import LLAMA_GGUF_TENSORS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from atom_core.plugin_api import (
+    SKIP,
+    GGUFArchitecture,
+    GGUFFile,
+    Joined,
+    moe_tensors,
+    packed_target,
+)
+from atom_models.llama import (
+    LLAMA_GGUF_TENSORS,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
 
 
 def softmax_scale(cfg: Any) -> float:
@@ -277,18 +290,22 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
 
 # --- GGUF (atom_core/gguf_arch.py): llama.cpp's "deepseek2", for V2 and V3 alike ----------------
 
-DEEPSEEK_GGUF_TENSORS = {k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in (T.ATTN_K, T.ATTN_V)} | {
-    T.ATTN_Q_A: "model.layers.{bid}.self_attn.q_a_proj",
-    T.ATTN_Q_A_NORM: "model.layers.{bid}.self_attn.q_a_layernorm",
-    T.ATTN_Q_B: "model.layers.{bid}.self_attn.q_b_proj",
-    T.ATTN_KV_A_MQA: "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
-    T.ATTN_KV_A_NORM: "model.layers.{bid}.self_attn.kv_a_layernorm",
-    T.ATTN_KV_B: "model.layers.{bid}.self_attn.kv_b_proj",  # files from before the k_b / v_b split
-    T.FFN_EXP_PROBS_B: {"bias": "model.layers.{bid}.mlp.gate.e_score_correction_bias"},
-    T.FFN_GATE_SHEXP: "model.layers.{bid}.mlp.shared_experts.gate_proj",
-    T.FFN_UP_SHEXP: "model.layers.{bid}.mlp.shared_experts.up_proj",
-    T.FFN_DOWN_SHEXP: "model.layers.{bid}.mlp.shared_experts.down_proj",
-} | moe_tensors("mlp", QWEN_EXPERT_NAMES)
+DEEPSEEK_GGUF_TENSORS = (
+    {k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in (T.ATTN_K, T.ATTN_V)}
+    | {
+        T.ATTN_Q_A: "model.layers.{bid}.self_attn.q_a_proj",
+        T.ATTN_Q_A_NORM: "model.layers.{bid}.self_attn.q_a_layernorm",
+        T.ATTN_Q_B: "model.layers.{bid}.self_attn.q_b_proj",
+        T.ATTN_KV_A_MQA: "model.layers.{bid}.self_attn.kv_a_proj_with_mqa",
+        T.ATTN_KV_A_NORM: "model.layers.{bid}.self_attn.kv_a_layernorm",
+        T.ATTN_KV_B: "model.layers.{bid}.self_attn.kv_b_proj",  # files from before the k_b / v_b split
+        T.FFN_EXP_PROBS_B: {"bias": "model.layers.{bid}.mlp.gate.e_score_correction_bias"},
+        T.FFN_GATE_SHEXP: "model.layers.{bid}.mlp.shared_experts.gate_proj",
+        T.FFN_UP_SHEXP: "model.layers.{bid}.mlp.shared_experts.up_proj",
+        T.FFN_DOWN_SHEXP: "model.layers.{bid}.mlp.shared_experts.down_proj",
+    }
+    | moe_tensors("mlp", QWEN_EXPERT_NAMES)
+)
 
 
 def _join_kv_b(config: dict, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gguf import MODEL_TENSOR as T, Keys
+from gguf import MODEL_TENSOR as T
+from gguf import Keys
 from torch import nn
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile
-from atom_core.layers import Attention, Linear, MergedLinear, RMSNorm, apply_rotary, get_rope, silu_and_mul
+from atom_core.layers import (
+    Attention,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    apply_rotary,
+    get_rope,
+    silu_and_mul,
+)
+from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 
 
 def head_dim_of(cfg: Any) -> int:

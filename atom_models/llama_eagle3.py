@@ -17,8 +17,13 @@ import torch
 from torch import nn
 
 from atom_core.layers import Linear, MergedLinear, RMSNorm, get_rope
-from atom_core.loading.checkpoint import SKIP, packed_target
-from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
+from atom_core.plugin_api import SKIP, packed_target
+from atom_models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    head_dim_of,
+)
 
 
 class Eagle3Attention(LlamaAttention):

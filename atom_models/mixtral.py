@@ -8,9 +8,9 @@ from typing import Any
 from gguf import Keys
 from torch import nn
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_core.layers import FusedMoE
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
+from atom_core.plugin_api import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_models.llama import (
     LLAMA_GGUF_PERMUTED,
     LLAMA_GGUF_TENSORS,

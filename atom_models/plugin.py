@@ -1,7 +1,7 @@
 """Hook implementations only: names map to lazily imported classes, so listing plugins
 never imports torch."""
 
-from atom_core import hookimpl
+from atom_core.plugin_api import hookimpl
 
 
 @hookimpl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gguf import MODEL_TENSOR as T
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile
+from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 from atom_models.llama import (
     LLAMA_GGUF_TENSORS,
     LlamaAttention,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from atom_core.layers import MergedLinear
-from atom_core.loading.checkpoint import SKIP, packed_target
+from atom_core.plugin_api import SKIP, packed_target
 from atom_models.llama import LlamaForCausalLM, LlamaMLP
 from atom_models.qwen3_next import (
     Qwen3NextDecoderLayer,

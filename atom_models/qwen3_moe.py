@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import MODEL_TENSOR as T, Keys
+from gguf import MODEL_TENSOR as T
+from gguf import Keys
 from torch import nn
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_core.layers import FusedMoE
 from atom_core.layers.moe import QWEN_EXPERT_NAMES
+from atom_core.plugin_api import GGUFArchitecture, GGUFFile, moe_tensors
 from atom_models.llama import LlamaMLP
-from atom_models.qwen3 import QWEN3_GGUF_TENSORS, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model, qwen3_gguf_config
+from atom_models.qwen3 import (
+    QWEN3_GGUF_TENSORS,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+    qwen3_gguf_config,
+)
 from atom_models.sparse_moe import SparseMoeBlock
 
 

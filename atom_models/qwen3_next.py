@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.forward_context import get_forward_context
 from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary
 from atom_core.layers.rotary import rope_parameters
-from atom_core.loading.checkpoint import SKIP
+from atom_core.plugin_api import SKIP, get_forward_context
 from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock
@@ -118,7 +117,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = cfg.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False,
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_kernel_size,
+            groups=self.conv_dim,
+            bias=False,
             padding=self.conv_kernel_size - 1,
         )
         self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)

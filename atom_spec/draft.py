@@ -37,10 +37,18 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from atom_core.forward_context import Context, reset_forward_context, set_forward_context
 from atom_core.layers.embedding import LookupEmbedding
-from atom_core.loading.checkpoint import SKIP, safetensors_files
-from atom_core.sched.speculative import Drafts, ProposalInput, Proposer
+from atom_core.plugin_api import (
+    SKIP,
+    Context,
+    Drafts,
+    ProposalInput,
+    Proposer,
+    ProposerContext,
+    reset_forward_context,
+    safetensors_files,
+    set_forward_context,
+)
 
 
 @attrs.define(kw_only=True)
@@ -61,9 +69,9 @@ class DraftBatch:
     scheduled_spec_decode_tokens: dict = attrs.field(factory=dict)
 
 
-def build_draft_module(runner: Any, make: Callable[[], nn.Module], folder: str | Path) -> nn.Module:
-    """`make()` in the runner's dtype and device, its weights loaded from `folder`, kernels picked."""
-    module = runner.instantiate(make)
+def build_draft_module(context: ProposerContext, make: Callable[[], nn.Module], folder: str | Path) -> nn.Module:
+    """`make()` in the target's dtype and device, its weights loaded from `folder`, kernels picked."""
+    module = context.instantiate(make)
     mapper = getattr(module, "map_checkpoint_name", None)
     if mapper is not None and all(mapper(n) == SKIP for n in checkpoint_names(folder)):
         prefix = getattr(module, "checkpoint_prefix", None)
@@ -71,7 +79,7 @@ def build_draft_module(runner: Any, make: Callable[[], nn.Module], folder: str |
             f"the checkpoint in {folder} holds no tensors of the draft model {type(module).__name__}"
             + (f" (none named {prefix}*)" if prefix else "")
         )
-    return runner.load_weights(module, str(folder))
+    return context.load_weights(module, str(folder))
 
 
 def checkpoint_names(folder: str | Path) -> list[str]:
@@ -104,8 +112,8 @@ def next_layer_id(model: nn.Module) -> int:
 class DraftModelProposer(Proposer):
     """A proposer with a draft model (`build_draft`) fed by the target's hidden states (`target_hidden`)."""
 
-    def __init__(self, runner: Any, spec_config: Any):
-        super().__init__(runner, spec_config)
+    def __init__(self, context: ProposerContext, spec_config: Any):
+        super().__init__(context, spec_config)
         self.draft = self.build_draft()
         attn = [m for m in self.draft.modules() if getattr(m, "attn_type", None)]
         self.num_draft_layers = len(attn)
@@ -179,11 +187,11 @@ class DraftModelProposer(Proposer):
             num_cached_tokens=[0] * len(lens),
             num_computed_tokens=first.tolist(),
         )
-        metas = {t: self.runner.attn_builders[t].build(batch) for t in self.attn_types}
+        metas = {t: self.context.attn_builders[t].build(batch) for t in self.attn_types}
         positions = next(iter(metas.values())).positions
         set_forward_context(
             attn_metadata_by_type=metas,
-            atom_config=self.runner.config,
+            atom_config=self.context.config,
             context=Context(positions=positions, is_prefill=bool(lens.max() > 1), batch_size=len(lens), is_draft=True),
         )
         try:

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from atom_core.plugins.manager import get_registry
-from atom_spec.draft import DraftModelProposer, build_draft_module, checkpoint_names, next_layer_id, target_embedding
+from atom_core.plugin_api import get_registry
+from atom_spec.draft import (
+    DraftModelProposer,
+    build_draft_module,
+    checkpoint_names,
+    next_layer_id,
+    target_embedding,
+)
 
 
 class Eagle3Proposer(DraftModelProposer):
@@ -24,7 +30,7 @@ class Eagle3Proposer(DraftModelProposer):
         if not folder:
             raise ValueError("speculative method 'eagle3' needs speculative_config.model: the EAGLE-3 draft folder")
         cfg = AutoConfig.from_pretrained(folder)
-        target_cfg = self.runner.hf_config
+        target_cfg = self.context.hf_config
         archs = getattr(cfg, "architectures", None) or []
         if not archs:
             raise ValueError(
@@ -38,10 +44,10 @@ class Eagle3Proposer(DraftModelProposer):
             )
         cls = get_registry("models").get(archs[0])
         owns_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in checkpoint_names(folder))
-        embed = None if owns_embedding else target_embedding(self.runner.model)
-        layer_id = next_layer_id(self.runner.model)
+        embed = None if owns_embedding else target_embedding(self.context.model)
+        layer_id = next_layer_id(self.context.model)
         draft = build_draft_module(
-            self.runner, lambda: cls(cfg, self.runner.config, layer_id=layer_id, embed_tokens=embed), folder
+            self.context, lambda: cls(cfg, self.context.config, layer_id=layer_id, embed_tokens=embed), folder
         )
         boundaries = draft.aux_hidden_state_layers(target_cfg.num_hidden_layers)
         bad = [b for b in boundaries if not 1 <= b <= target_cfg.num_hidden_layers]

@@ -15,16 +15,16 @@ from atom_spec.draft import DraftModelProposer, build_draft_module
 
 class MTPProposer(DraftModelProposer):
     def build_draft(self) -> nn.Module:
-        target = self.runner.model
+        target = self.context.model
         make = getattr(target, "make_mtp_module", None)
         if make is None:
-            archs = getattr(self.runner.hf_config, "architectures", None) or [type(target).__name__]
+            archs = getattr(self.context.hf_config, "architectures", None) or [type(target).__name__]
             raise ValueError(
                 f"speculative method 'mtp' drafts with the target's multi-token-prediction layer, and {archs[0]} "
                 f"has none (its model class defines no `make_mtp_module`)"
             )
-        folder = self.spec_config.model or self.runner.config.model
-        return build_draft_module(self.runner, make, folder)
+        folder = self.spec_config.model or self.context.config.model
+        return build_draft_module(self.context, make, folder)
 
     def target_hidden(self, inp, index):
         return inp.hidden_states[index]

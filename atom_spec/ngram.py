@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atom_core.sched.speculative import Drafts, ProposalInput, Proposer
+from atom_core.plugin_api import Drafts, ProposalInput, Proposer
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -35,8 +35,8 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 class NgramProposer(Proposer):
     skips_idle_steps = True  # reads only the request's tokens
 
-    def __init__(self, runner, spec_config):
-        super().__init__(runner, spec_config)
+    def __init__(self, context, spec_config):
+        super().__init__(context, spec_config)
         self.min_n = spec_config.prompt_lookup_min
         self.max_n = spec_config.prompt_lookup_max
 

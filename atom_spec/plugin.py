@@ -1,6 +1,6 @@
 """Hook implementations only; a proposer is imported when a config names its method."""
 
-from atom_core import hookimpl
+from atom_core.plugin_api import hookimpl
 
 
 @hookimpl

@@ -29,7 +29,7 @@ the output is token for token what non-speculative greedy decoding gives.
 
 Tokens are drawn with the exponential race (argmax of r / E, E ~ Exp(1)) as in
 `atom_core.runner.sampler`, which samples from r without normalising it. For a seeded request
-the position that emits token index t uses a generator seeded with `_mix(seed, t)`:
+the position that emits token index t uses a generator seeded with `seed_for_step(seed, t)`:
 first one uniform for the acceptance test (draft positions only), then the race's noise.
 A request with no drafts therefore gets exactly the token `Sampler` would give it.
 """
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from atom_core.layers.ops import argmax
-from atom_core.runner.sampler import SamplingMetadata, _mix, processed_probs
+from atom_core.plugin_api import SamplingMetadata, processed_probs, seed_for_step
 
 __all__ = ["RejectionSampler"]
 
@@ -62,7 +62,7 @@ class RejectionSampler:
         self.device = torch.device(getattr(config, "device", "cpu") or "cpu")
         if generator is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(_mix(seed, _GLOBAL_STREAM))
+            generator.manual_seed(seed_for_step(seed, _GLOBAL_STREAM))
         self.generator = generator
         self._row_generator = torch.Generator(device=self.device)
 
@@ -157,7 +157,7 @@ class RejectionSampler:
         for i, offset in zip(sampled, accumulate((sizes[i] for i in sampled), initial=0)):
             if meta.seeds[i] is not None:
                 for j in range(sizes[i] - 1):
-                    self._row_generator.manual_seed(_mix(meta.seeds[i], meta.steps[i] + j))
+                    self._row_generator.manual_seed(seed_for_step(meta.seeds[i], meta.steps[i] + j))
                     u[offset + j] = torch.rand((), generator=self._row_generator, device=dev, dtype=p.dtype)
         return rows, is_draft & (u * q_d < p_d), p
 
@@ -186,7 +186,7 @@ class RejectionSampler:
         for m, i in enumerate(sampled):
             if meta.seeds[i] is not None:
                 a = num_accepted[i]
-                self._row_generator.manual_seed(_mix(meta.seeds[i], meta.steps[i] + a))
+                self._row_generator.manual_seed(seed_for_step(meta.seeds[i], meta.steps[i] + a))
                 if a < sizes[i] - 1:  # replay the acceptance uniform drawn at this position
                     torch.rand((), generator=self._row_generator, device=dev, dtype=p.dtype)
                 noise[m].exponential_(generator=self._row_generator)
@@ -215,6 +215,4 @@ def _check(logits, draft_token_ids, draft_probs, meta, sizes) -> None:
         )
     for i, q in enumerate(draft_probs):
         if q is not None and tuple(q.shape) != (sizes[i] - 1, logits.shape[1]):
-            raise ValueError(
-                f"draft_probs[{i}] must be [{sizes[i] - 1}, {logits.shape[1]}], got {list(q.shape)}"
-            )
+            raise ValueError(f"draft_probs[{i}] must be [{sizes[i] - 1}, {logits.shape[1]}], got {list(q.shape)}")

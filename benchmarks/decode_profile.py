@@ -26,8 +26,8 @@ import torch
 
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
-from atom_core.layers.linear import Linear
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.layers.linear import Linear
 
 
 def timed(fn, totals: dict[str, float], key: str):
@@ -84,7 +84,9 @@ def main() -> None:
     n = args.steps
     step = float(np.mean(steps))
     gemm, attn, model, head = (totals[k] / n for k in ("gemm", "attention", "model", "lm_head"))
-    print(f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch {args.batch}, {args.threads} threads, {n} steps")
+    print(
+        f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch {args.batch}, {args.threads} threads, {n} steps"
+    )
     print("| part | ms per step |\n|---|---|")
     print(f"| whole step | {step * 1e3:.2f} (median {np.median(steps) * 1e3:.2f}) |")
     print(f"| GEMMs (LM head included) | {gemm * 1e3:.2f} |")

@@ -70,8 +70,14 @@ def main() -> None:
         pool_hf = pool.clone()
 
         ref, ref_state = qn.torch_recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-            initial_state=pool[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g[:, None],
+            beta[:, None],
+            initial_state=pool[slots],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         )
         p = pool.clone()
         out = recurrent_gated_delta_rule_step(q, k, v, g, beta, p, slots)
@@ -80,22 +86,36 @@ def main() -> None:
 
         def run_hf():
             _, st = qn.torch_recurrent_gated_delta_rule(
-                q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                initial_state=pool_hf[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                q[:, None],
+                k[:, None],
+                v[:, None],
+                g[:, None],
+                beta[:, None],
+                initial_state=pool_hf[slots],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
             )
             pool_hf.index_copy_(0, slots, st)
 
         t_atom = bench(lambda: recurrent_gated_delta_rule_step(q, k, v, g, beta, pool, slots))
         t_hf = bench(run_hf)
-        print(f"  B={B:3d}: atom {t_atom * 1e3:8.3f} ms  transformers {t_hf * 1e3:8.3f} ms  "
-              f"speedup x{t_hf / t_atom:.2f}")
+        print(
+            f"  B={B:3d}: atom {t_atom * 1e3:8.3f} ms  transformers {t_hf * 1e3:8.3f} ms  speedup x{t_hf / t_atom:.2f}"
+        )
 
     T = args.prompt
     print(f"chunked prefill of one {T}-token prompt (chunk 64, zero initial state):")
     q, k, v, g, beta = inputs(T, hk, hv, dk, dv, torch.float32)
     ref, ref_state = qn.torch_chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], chunk_size=64,
-        initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     out, st = chunk_gated_delta_rule(q, k, v, g, beta, None)
     torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=1e-4)
@@ -103,13 +123,21 @@ def main() -> None:
     t_atom = bench(lambda: chunk_gated_delta_rule(q, k, v, g, beta, None), warmup=1, reps=5, min_time=0)
     t_hf = bench(
         lambda: qn.torch_chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], chunk_size=64,
-            initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            chunk_size=64,
+            initial_state=None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         ),
-        warmup=1, reps=5, min_time=0,
+        warmup=1,
+        reps=5,
+        min_time=0,
     )
-    print(f"  T={T}: atom {t_atom * 1e3:8.1f} ms  transformers {t_hf * 1e3:8.1f} ms  "
-          f"speedup x{t_hf / t_atom:.2f}")
+    print(f"  T={T}: atom {t_atom * 1e3:8.1f} ms  transformers {t_hf * 1e3:8.1f} ms  speedup x{t_hf / t_atom:.2f}")
 
 
 if __name__ == "__main__":

@@ -30,20 +30,39 @@ def build_model(folder: Path, hidden: int, max_len: int) -> None:
 
     torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden // 4, partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 8, linear_conv_kernel_dim=4,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
-        shared_expert_intermediate_size=hidden, mlp_only_layers=[1], max_position_embeddings=max_len,
-        initializer_range=0.1, tie_word_embeddings=False,
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        partial_rotary_factor=0.5,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=hidden // 4,
+        linear_value_head_dim=hidden // 8,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden,
+        mlp_only_layers=[1],
+        max_position_embeddings=max_len,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
     )
     transformers.Qwen3NextForCausalLM(config).eval().save_pretrained(folder, safe_serialization=True)
 
 
 def make_engine(folder: Path, on: bool, max_len: int) -> LLMEngine:
     engine = LLMEngine(
-        folder, dtype="float32", enable_prefix_caching=on, max_model_len=max_len, max_num_seqs=8,
+        folder,
+        dtype="float32",
+        enable_prefix_caching=on,
+        max_model_len=max_len,
+        max_num_seqs=8,
         num_kvcache_blocks=8 * max_len // 16,
     )
     engine.generate([[7] * 64], PARAMS, use_tqdm=False)  # warm-up: kernels loaded, pools mapped
@@ -88,12 +107,18 @@ def main() -> None:
     print(f"{'':16} {'TTFT mean ms':>13} {'median':>8} {'first':>8} {'3rd on':>8} {'total s':>8}")
     for name, rs, total in (("checkpoints off", off, t_off), ("checkpoints on", on, t_on)):
         v = ms(rs)
-        print(f"{name:16} {statistics.mean(v):13.1f} {statistics.median(v):8.1f} {v[0]:8.1f} "
-              f"{statistics.mean(v[2:]):8.1f} {total:8.2f}")
-    print(f"ratio off/on: mean TTFT {statistics.mean(ms(off)) / statistics.mean(ms(on)):.2f}x, "
-          f"median {statistics.median(ms(off)) / statistics.median(ms(on)):.2f}x")
-    print(f"num_cached_tokens with checkpoints: first three {hits[:3]}, then {sorted(set(hits[3:]))}; "
-          f"greedy tokens identical for {same}/{len(on)} requests")
+        print(
+            f"{name:16} {statistics.mean(v):13.1f} {statistics.median(v):8.1f} {v[0]:8.1f} "
+            f"{statistics.mean(v[2:]):8.1f} {total:8.2f}"
+        )
+    print(
+        f"ratio off/on: mean TTFT {statistics.mean(ms(off)) / statistics.mean(ms(on)):.2f}x, "
+        f"median {statistics.median(ms(off)) / statistics.median(ms(on)):.2f}x"
+    )
+    print(
+        f"num_cached_tokens with checkpoints: first three {hits[:3]}, then {sorted(set(hits[3:]))}; "
+        f"greedy tokens identical for {same}/{len(on)} requests"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ import time
 import torch
 
 from atom_core.engine.fetch import fetch_default_model
-from atom_core.layers.linear import Linear
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.layers.linear import Linear
 
 
 def best_seconds(fn, reps: int) -> float:
@@ -62,7 +62,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_line = [line for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
     print(f"CPU: {model_line[0].split(':', 1)[1].strip() if model_line else 'unknown'}, {args.threads} threads")
-    print("| dtype | machine GEMM (GFLOP/s) | Atom's layer GEMMs (GFLOP/s) | share | prompt tokens/s at the machine rate | at Atom's |")
+    print(
+        "| dtype | machine GEMM (GFLOP/s) | Atom's layer GEMMs (GFLOP/s) | share | prompt tokens/s at the machine rate | at Atom's |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         linears = layer_linears(name)

@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from atom_core.platform.cpu_features import cpu_features
-from atom_core.layers.gemm import _onednn_linear, gemv_ops, PACK_ROWS, StreamingGemm
+from atom_core.layers.gemm import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
 from atom_core.layers.quantized_gemm import Int4PackGemm, StreamingGroupGemm
 from atom_core.layers.quantized_weight import quantize_int4
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.platform.memory import resident, weight_arena
 
 # SmolLM2's 30 layers: qkv, o, gate_up, down.
@@ -71,7 +71,9 @@ class CopyBandwidth:
 
 
 def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: str = "") -> None:
-    print(f"| {weights} | {m} | {mine:.1f} | {copy:.1f} | {mine / copy:.0%} | {peer:.1f}{peer_name} | {mine / peer:.2f}x |")
+    print(
+        f"| {weights} | {m} | {mine:.1f} | {copy:.1f} | {mine / copy:.0%} | {peer:.1f}{peer_name} | {mine / peer:.2f}x |"
+    )
 
 
 def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
@@ -87,7 +89,13 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBand
             lambda: nbytes / best_time([lambda g=g: g(xs[g.in_features], None, None) for g in streamed], repeats) / 1e9
         )
         calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
-        row(f"{str(dtype).removeprefix('torch.')} ({variant})", m, mine, machine, nbytes / best_time(calls, repeats) / 1e9)
+        row(
+            f"{str(dtype).removeprefix('torch.')} ({variant})",
+            m,
+            mine,
+            machine,
+            nbytes / best_time(calls, repeats) / 1e9,
+        )
 
 
 def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
@@ -99,7 +107,9 @@ def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) 
     nbytes = sum(k.qweight.nbytes + k.scales.nbytes + k.mins.nbytes for k in mine)
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        a, machine = copy.around(lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9)
+        a, machine = copy.around(
+            lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9
+        )
         b = nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats) / 1e9
         row(f"4-bit groups of 32 ({variant})", m, a, machine, b, " (torch int4)")
 
@@ -120,7 +130,9 @@ def main() -> None:
             raise SystemExit(f"the {variant} build of the C++ kernels is unavailable (see the log line above)")
     copy = CopyBandwidth()
     print(f"{cpu_features().model}, {args.threads} threads")
-    print("| weights | rows | Atom's streaming kernel (GB/s) | copy around it (GB/s) | of copy | peer (GB/s) | Atom / peer |")
+    print(
+        "| weights | rows | Atom's streaming kernel (GB/s) | copy around it (GB/s) | of copy | peer (GB/s) | Atom / peer |"
+    )
     print("|---|---|---|---|---|---|---|")
     kinds = args.weights.split(",")
     for dtype in (torch.float32, torch.bfloat16):

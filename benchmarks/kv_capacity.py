@@ -26,22 +26,63 @@ BLOCK_SIZE = 16
 YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1)
 
 DEEPSEEK_V3 = dict(  # deepseek-ai/DeepSeek-V3
-    architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
-    first_k_dense_replace=3, moe_layer_freq=1, norm_topk_prob=True, max_position_embeddings=163840,
-    rms_norm_eps=1e-6, rope_theta=10000, rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    moe_layer_freq=1,
+    norm_topk_prob=True,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
     tie_word_embeddings=False,
 )
 DEEPSEEK_V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite
-    architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
-    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-    n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
-    num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=False,
-    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
-    rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707), tie_word_embeddings=False,
+    architectures=["DeepseekV2ForCausalLM"],
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_shared_experts=2,
+    n_routed_experts=64,
+    routed_scaling_factor=1.0,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=6,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    norm_topk_prob=False,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707),
+    tie_word_embeddings=False,
 )
 MODELS = {
     "DeepSeek-V3": (DEEPSEEK_V3, DeepseekV3ForCausalLM),
@@ -77,10 +118,14 @@ def main() -> None:
         latent = f"{cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}"
         print(f"\n{name}: {cfg.num_hidden_layers} layers, {heads} heads, latent {latent}")
         print(f"  mla builder         {mla // BLOCK_SIZE:>10,} B/token  {tokens['mla']:>12,} tokens")
-        print(f"  expanded K/V        {expanded // BLOCK_SIZE:>10,} B/token  {tokens['expanded']:>12,} tokens"
-              f"  ratio {tokens['mla'] / tokens['expanded']:.1f}x")
-        print(f"  MHA builder (V pad) {mha // BLOCK_SIZE:>10,} B/token  {tokens['mha']:>12,} tokens"
-              f"  ratio {tokens['mla'] / tokens['mha']:.1f}x")
+        print(
+            f"  expanded K/V        {expanded // BLOCK_SIZE:>10,} B/token  {tokens['expanded']:>12,} tokens"
+            f"  ratio {tokens['mla'] / tokens['expanded']:.1f}x"
+        )
+        print(
+            f"  MHA builder (V pad) {mha // BLOCK_SIZE:>10,} B/token  {tokens['mha']:>12,} tokens"
+            f"  ratio {tokens['mla'] / tokens['mha']:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
-from atom_core.runner.attention_builder import AttentionMetadataBuilder
 from atom_core.layers.mla import MLAAttention
+from atom_core.runner.attention_builder import AttentionMetadataBuilder
 
 BS = 16
 
@@ -34,16 +34,23 @@ def setup(heads, rank, rope, nope, v, dtype, ctx, q_lens, seed=0):
     layer.kv_cache[nblocks].zero_()
     total = sum(q_lens)
     batch = SimpleNamespace(
-        num_scheduled_tokens=q_lens, context_lens=ctx, block_tables=tables, num_cached_tokens=[0] * len(ctx),
-        pad_block=None, left_pad_blocks=None, tkvs=None,
+        num_scheduled_tokens=q_lens,
+        context_lens=ctx,
+        block_tables=tables,
+        num_cached_tokens=[0] * len(ctx),
+        pad_block=None,
+        left_pad_blocks=None,
+        tkvs=None,
     )
     runner = SimpleNamespace(
         config=SimpleNamespace(kv_cache_block_size=BS), hf_config=None, dtype=dtype, device=torch.device("cpu")
     )
     meta = AttentionMetadataBuilder(runner, []).build(batch)
     inputs = (
-        torch.randn(total, heads, nope).to(dtype), torch.randn(total, heads, rope).to(dtype),
-        torch.randn(total, rank).to(dtype), torch.randn(total, rope).to(dtype),
+        torch.randn(total, heads, nope).to(dtype),
+        torch.randn(total, heads, rope).to(dtype),
+        torch.randn(total, rank).to(dtype),
+        torch.randn(total, rope).to(dtype),
     )
     return layer, meta, nblocks, inputs
 

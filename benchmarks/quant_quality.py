@@ -29,9 +29,9 @@ from torch import nn
 
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
-from atom_core.layers.quantized_weight import quantize_int4, quantize_int8, QuantizedWeight
-from atom_core.loading.gguf.blocks import load_blocks
+from atom_core.layers.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
+from atom_core.loading.gguf.blocks import load_blocks
 
 DEFAULT_TEXTS = (Path("/usr/share/common-licenses/GPL-3"), Path(__file__).parent.parent / "docs" / "performance.md")
 
@@ -144,7 +144,9 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=next((p for p in DEFAULT_TEXTS if p.is_file()), None))
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated indices into VARIANTS (0 and 1, the references, always run)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated indices into VARIANTS (0 and 1, the references, always run)"
+    )
     ap.add_argument("--engine-only", action="store_true", help="only the end-to-end table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

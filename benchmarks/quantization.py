@@ -102,7 +102,7 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     and for its LM head, per weight format, random weights of the model's shapes."""
     from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
 
-    from atom_core.layers.gemm import _onednn_linear, PACK_ROWS
+    from atom_core.layers.gemm import PACK_ROWS, _onednn_linear
     from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm
     from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
@@ -125,6 +125,7 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
         cells = []
         for m in rows:
             xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+
             def all_layers() -> None:
                 for g, (_, k) in zip(layers, shapes):
                     g(xs[k])

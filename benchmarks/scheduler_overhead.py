@@ -71,7 +71,17 @@ def load_nano_vllm():
     if not (PEERS / "nanovllmnpu").exists():
         print("installing the peer: pip install --no-deps nano-vllm-npu ...", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(PEERS), "nano-vllm-npu==0.0.2"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(PEERS),
+                "nano-vllm-npu==0.0.2",
+            ],
             check=True,
         )
     root = PEERS / "nanovllmnpu"
@@ -92,8 +102,11 @@ def bench_nano_vllm(data: list[list[int]], steps: int, block_size: int) -> float
     NanoSequence.block_size = block_size
     num_blocks = len(data) * ((len(data[0]) + steps + 2 * block_size) // block_size + 1)
     cfg = types.SimpleNamespace(
-        max_num_seqs=len(data), max_num_batched_tokens=16384, eos=2,
-        num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
+        max_num_seqs=len(data),
+        max_num_batched_tokens=16384,
+        eos=2,
+        num_kvcache_blocks=num_blocks,
+        kvcache_block_size=block_size,
     )
     sched = NanoScheduler(cfg)
     params = NanoParams(temperature=1.0, max_tokens=steps + 10, ignore_eos=True)
@@ -123,16 +136,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-peer", action="store_true", help="measure Atom only")
-    ap.add_argument("--policies", nargs="+", default=["prefill_first", "mixed"], help="the first is compared with the peer")
+    ap.add_argument(
+        "--policies", nargs="+", default=["prefill_first", "mixed"], help="the first is compared with the peer"
+    )
     args = ap.parse_args()
     data = prompts(args.seqs, args.context)
-    print(f"decode step of {args.seqs} sequences with {args.context}-token contexts, block size {args.block_size}, "
-          f"median of {args.steps} steps (schedule + postprocess)")
+    print(
+        f"decode step of {args.seqs} sequences with {args.context}-token contexts, block size {args.block_size}, "
+        f"median of {args.steps} steps (schedule + postprocess)"
+    )
     for policy in args.policies:
         off = bench_atom(data, args.steps, args.block_size, prefix_caching=False, policy=policy)
         on = bench_atom(data, args.steps, args.block_size, prefix_caching=True, policy=policy)
-        print(f"  atom {policy:13s}, prefix caching off : {off * 1e6:8.0f} us/step  ({off * 1e6 / args.seqs:.2f} us/sequence)")
-        print(f"  atom {policy:13s}, prefix caching on  : {on * 1e6:8.0f} us/step  ({on * 1e6 / args.seqs:.2f} us/sequence)")
+        print(
+            f"  atom {policy:13s}, prefix caching off : {off * 1e6:8.0f} us/step  ({off * 1e6 / args.seqs:.2f} us/sequence)"
+        )
+        print(
+            f"  atom {policy:13s}, prefix caching on  : {on * 1e6:8.0f} us/step  ({on * 1e6 / args.seqs:.2f} us/sequence)"
+        )
         if policy == args.policies[0]:
             atom_on = on
     if args.no_peer:

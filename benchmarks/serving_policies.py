@@ -200,8 +200,10 @@ def print_table(results: list[Stats]) -> None:
     print("\n| policy | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | output tok/s | steps |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for s in results:
-        print(f"| {s.policy} | {1e3 * s.ttft_p50:.0f} | {1e3 * s.ttft_p99:.0f} | {1e3 * s.itl_p50:.1f} | "
-              f"{1e3 * s.itl_p99:.1f} | {s.tok_s:.1f} | {s.steps} |")
+        print(
+            f"| {s.policy} | {1e3 * s.ttft_p50:.0f} | {1e3 * s.ttft_p99:.0f} | {1e3 * s.itl_p50:.1f} | "
+            f"{1e3 * s.itl_p99:.1f} | {s.tok_s:.1f} | {s.steps} |"
+        )
 
 
 def report_goal(results: list[Stats]) -> None:
@@ -213,8 +215,10 @@ def report_goal(results: list[Stats]) -> None:
     cost = 1 - mx.tok_s / pf.tok_s
     met = ratio >= ITL_GOAL and cost <= COST_GOAL
     print(f"\np99 ITL ratio (prefill_first / mixed): {ratio:.2f}x (goal >= {ITL_GOAL:.0f}x)")
-    print(f"throughput cost of mixed (1 - mixed tok/s / prefill_first tok/s): {100 * cost:+.1f}% "
-          f"(goal <= {100 * COST_GOAL:.0f}%)")
+    print(
+        f"throughput cost of mixed (1 - mixed tok/s / prefill_first tok/s): {100 * cost:+.1f}% "
+        f"(goal <= {100 * COST_GOAL:.0f}%)"
+    )
     print(f"goal {'MET' if met else 'NOT MET'}")
 
 
@@ -237,9 +241,11 @@ def describe(args: argparse.Namespace, workload: list[Request], config: dict[str
     outputs = np.array([r.max_tokens for r in workload])
     long = int((lengths >= LONG_PROMPT[0]).sum())
     span = workload[-1].arrival
-    print(f"workload: {len(workload)} requests over {span:.1f} s (rate {args.rate}/s, seed {args.seed}); "
-          f"prompts {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), {long} of them "
-          f">= {LONG_PROMPT[0]}; outputs {outputs.min()}-{outputs.max()} tokens ({outputs.sum()} in all)")
+    print(
+        f"workload: {len(workload)} requests over {span:.1f} s (rate {args.rate}/s, seed {args.seed}); "
+        f"prompts {lengths.min()}-{lengths.max()} tokens (mean {lengths.mean():.0f}), {long} of them "
+        f">= {LONG_PROMPT[0]}; outputs {outputs.min()}-{outputs.max()} tokens ({outputs.sum()} in all)"
+    )
     print("engine config (every policy): " + ", ".join(f"{k}={v}" for k, v in config.items()))
 
 

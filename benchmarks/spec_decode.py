@@ -51,7 +51,10 @@ PASSAGES = [
     "The city council met on Tuesday to discuss the new bicycle lanes. Several residents spoke in favour of the "
     "plan, while shop owners on the main street worried about losing parking spaces for their customers.",
 ]
-COPY_TASKS = ["Repeat the following text exactly, word for word:\n\n{}", "Rewrite the following text, keeping its meaning and most of its words:\n\n{}"]
+COPY_TASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Rewrite the following text, keeping its meaning and most of its words:\n\n{}",
+]
 FREE = [
     "Write a short story about a robot who learns to paint.",
     "What are the main causes of the seasons on Earth?",
@@ -89,7 +92,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-acceptance-rate", type=float, default=None, help="the draft gate (default: Config's)")
     ap.add_argument(
-        "--disable-by-batch-size", type=int, default=4,
+        "--disable-by-batch-size",
+        type=int,
+        default=4,
         help="greedy requests stop drafting in steps of this many requests (0: never); 4 where the 4-bit GEMMs "
         "turn compute-bound on this 2-core CPU",
     )
@@ -114,8 +119,10 @@ def main() -> None:
         f"SmolLM2-135M-Instruct, {args.dtype}, quantization={args.quantization}, {args.threads} threads, "
         f"ngram k={args.k}, disable_by_batch_size={args.disable_by_batch_size or None}, greedy, <= {args.max_tokens} tokens"
     )
-    print("| workload | batch | without (tok/s) | with ngram (tok/s) | ratio | acceptance rate | mean acceptance length "
-          "| wasted rows | same tokens |")
+    print(
+        "| workload | batch | without (tok/s) | with ngram (tok/s) | ratio | acceptance rate | mean acceptance length "
+        "| wasted rows | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, texts in workloads().items():
         prompts = [chat(t) for t in texts]

@@ -163,11 +163,16 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int, streamer=None) -
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0, streamer=streamer,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        streamer=streamer,
     )
     return out[:, width:].tolist()
 
@@ -177,7 +182,7 @@ def hf_throughput(model, prompts: list[list[int]], output_len: int, batch_size: 
     outputs: list[list[int]] = [[] for _ in prompts]
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         for i, toks in zip(chunk, hf_generate(model, [prompts[i] for i in chunk], output_len)):
             outputs[i] = toks
     elapsed = time.perf_counter() - t0
@@ -233,30 +238,42 @@ def run_dtype(args, folder: str, dtype: str, prompts: list[list[int]]) -> Result
 
 
 def report_dtype(res: Result) -> None:
-    print(f"ratio atom/transformers: throughput {res.atom_tok_s / res.hf_tok_s:.2f}x, "
-          f"batch-1 decode {res.atom_b1 / res.hf_b1:.2f}x")
+    print(
+        f"ratio atom/transformers: throughput {res.atom_tok_s / res.hf_tok_s:.2f}x, "
+        f"batch-1 decode {res.atom_b1 / res.hf_b1:.2f}x"
+    )
     s = res.atom_split_ms
-    print(f"atom decode step ({int(s['steps'])} steps after prefill), mean ms/step: "
-          + ", ".join(f"{k} {s[k]:.2f}" for k in (*PHASES, "total")))
+    print(
+        f"atom decode step ({int(s['steps'])} steps after prefill), mean ms/step: "
+        + ", ".join(f"{k} {s[k]:.2f}" for k in (*PHASES, "total"))
+    )
     note = "" if res.dtype == "float32" else " (informational: reduced precision drifts)"
-    print(f"greedy agreement, first {len(res.matches)} prompts, matching prefix{note}: "
-          + ", ".join(f"{m}/{n}" for m, n in res.matches))
+    print(
+        f"greedy agreement, first {len(res.matches)} prompts, matching prefix{note}: "
+        + ", ".join(f"{m}/{n}" for m, n in res.matches)
+    )
 
 
 def print_summary(results: list[Result], args) -> None:
     sort = "sorted by length" if args.hf_sort else "unsorted"
-    print(f"\n=== summary: {args.num_prompts} prompts x {args.output_len} tokens, {args.threads} threads, "
-          f"transformers batch {args.hf_batch_size} ({sort}) ===")
-    head = f"{'dtype':<9} {'atom tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | {'atom b1':>8} {'hf b1':>7} {'ratio':>6} | " \
-           f"{'fwd ms':>7} {'other ms':>8} | agree"
+    print(
+        f"\n=== summary: {args.num_prompts} prompts x {args.output_len} tokens, {args.threads} threads, "
+        f"transformers batch {args.hf_batch_size} ({sort}) ==="
+    )
+    head = (
+        f"{'dtype':<9} {'atom tok/s':>10} {'hf tok/s':>9} {'ratio':>6} | {'atom b1':>8} {'hf b1':>7} {'ratio':>6} | "
+        f"{'fwd ms':>7} {'other ms':>8} | agree"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         s = r.atom_split_ms
         agree = f"{sum(m == n for m, n in r.matches)}/{len(r.matches)} full"
-        print(f"{r.dtype:<9} {r.atom_tok_s:>10.1f} {r.hf_tok_s:>9.1f} {r.atom_tok_s / r.hf_tok_s:>5.2f}x | "
-              f"{r.atom_b1:>8.1f} {r.hf_b1:>7.1f} {r.atom_b1 / r.hf_b1:>5.2f}x | "
-              f"{s['forward']:>7.2f} {s['total'] - s['forward']:>8.2f} | {agree}")
+        print(
+            f"{r.dtype:<9} {r.atom_tok_s:>10.1f} {r.hf_tok_s:>9.1f} {r.atom_tok_s / r.hf_tok_s:>5.2f}x | "
+            f"{r.atom_b1:>8.1f} {r.hf_b1:>7.1f} {r.atom_b1 / r.hf_b1:>5.2f}x | "
+            f"{s['forward']:>7.2f} {s['total'] - s['forward']:>8.2f} | {agree}"
+        )
     print("(b1 = batch-1 decode tok/s; fwd/other = Atom's mean ms per decode step in the model / elsewhere)")
 
 
@@ -276,8 +293,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-size", type=int, default=32)
-    ap.add_argument("--hf-sort", action=argparse.BooleanOptionalAction, default=True,
-                    help="sort prompts by length before batching them for transformers")
+    ap.add_argument(
+        "--hf-sort",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sort prompts by length before batching them for transformers",
+    )
     ap.add_argument("--b1-prompt-len", type=int, default=64)
     ap.add_argument("--b1-decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="throughput runs per engine, alternating (best)")
@@ -303,9 +324,11 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed)
     lengths = [len(p) for p in prompts]
     print(f"model {folder}; torch {torch.__version__}, {torch.get_num_threads()} threads; {load_average()}")
-    print(f"{len(prompts)} prompts, lengths {min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.0f}), "
-          f"{args.output_len} greedy tokens each, ignore EOS; transformers batch {args.hf_batch_size}, "
-          f"{'sorted by length' if args.hf_sort else 'unsorted'}")
+    print(
+        f"{len(prompts)} prompts, lengths {min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.0f}), "
+        f"{args.output_len} greedy tokens each, ignore EOS; transformers batch {args.hf_batch_size}, "
+        f"{'sorted by length' if args.hf_sort else 'unsorted'}"
+    )
     dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
     results = [run_dtype(args, folder, d, prompts) for d in dtypes]
     print_summary(results, args)

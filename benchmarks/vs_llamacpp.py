@@ -244,8 +244,10 @@ def cell(atom: float, llama: float) -> str:
 
 def print_report(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\n## Atom vs llama.cpp: {DEFAULT_MODEL_NAME}, {args.threads} threads, best of {args.rounds} round(s)")
-    print(f"\ncells: Atom t/s / llama.cpp t/s (Atom/llama.cpp); batch N = decode of N sequences "
-          f"({args.prompt_tokens}-token prompts, {args.new_tokens} new tokens), pp{PP_TOKENS} = prompt processing\n")
+    print(
+        f"\ncells: Atom t/s / llama.cpp t/s (Atom/llama.cpp); batch N = decode of N sequences "
+        f"({args.prompt_tokens}-token prompts, {args.new_tokens} new tokens), pp{PP_TOKENS} = prompt processing\n"
+    )
     print("| precision | " + " | ".join(f"batch {b}" for b in args.batches) + f" | pp{PP_TOKENS} |")
     print("|---|" + "---:|" * (len(args.batches) + 1))
     for r in results:

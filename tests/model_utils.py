@@ -44,7 +44,10 @@ QWEN3_5_SHAPES = dict(
     linear_conv_kernel_dim=4,
     rms_norm_eps=1e-5,
     rope_parameters=dict(
-        rope_type="default", rope_theta=5000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
+        rope_type="default",
+        rope_theta=5000.0,
+        partial_rotary_factor=0.5,
+        mrope_section=[2, 1, 1],
         mrope_interleaved=True,
     ),
 )
@@ -164,8 +167,12 @@ ARCHS = {
         config="Qwen3_5MoeTextConfig",
         attention="gdn",
         kwargs=dict(
-            QWEN3_5_SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, tie_word_embeddings=False,
+            QWEN3_5_SHAPES,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            tie_word_embeddings=False,
         ),
         bf16_routing_flips=True,
     ),
@@ -183,8 +190,14 @@ ARCHS = {
         config="DeepseekV2Config",
         attention="mla",
         kwargs=dict(
-            DEEPSEEK_SHAPES, q_lora_rank=48, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-            n_shared_experts=2, routed_scaling_factor=0.8, rope_parameters=dict(rope_type="default", rope_theta=5000.0),
+            DEEPSEEK_SHAPES,
+            q_lora_rank=48,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            routed_scaling_factor=0.8,
+            rope_parameters=dict(rope_type="default", rope_theta=5000.0),
         ),
         bf16_routing_flips=True,
     ),
@@ -200,10 +213,20 @@ ARCHS = {
         config="DeepseekV3Config",
         attention="mla",
         kwargs=dict(
-            DEEPSEEK_SHAPES, q_lora_rank=48, n_group=2, topk_group=1, norm_topk_prob=False,
+            DEEPSEEK_SHAPES,
+            q_lora_rank=48,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
             rope_parameters=dict(
-                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                mscale=0.9, mscale_all_dim=0.7, beta_fast=32, beta_slow=1,
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                mscale=0.9,
+                mscale_all_dim=0.7,
+                beta_fast=32,
+                beta_slow=1,
             ),
         ),
         bf16_routing_flips=True,
@@ -246,7 +269,6 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0, **overrides):
     return model
 
 
-
 GDN_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the hybrids with Gated DeltaNet layers
 
 
@@ -260,6 +282,7 @@ def tiny_models(*archs: str):
         return folder, build_tiny_model(request.param, folder)
 
     return tiny
+
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])

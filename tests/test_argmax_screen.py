@@ -6,16 +6,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams, get_plugin_manager, hookimpl  # noqa: E402
-from atom_core.forward_context import reset_forward_context, set_forward_context  # noqa: E402
-from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head  # noqa: E402
-from atom_core.layers.gemm import gemv_ops, pick_gemm, StreamingGemm  # noqa: E402
-from atom_core.layers.linear import Linear, mark_lm_heads  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
-from atom_core.runner.sampler import Sampler  # noqa: E402
+from conftest import require_kernel  # noqa: E402
 from model_utils import build_tiny_model, random_prompts  # noqa: E402
 
-from conftest import require_kernel  # noqa: E402
+from atom_core import SamplingParams, get_plugin_manager, hookimpl  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.forward_context import reset_forward_context, set_forward_context  # noqa: E402
+from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head  # noqa: E402
+from atom_core.layers.gemm import StreamingGemm, gemv_ops, pick_gemm  # noqa: E402
+from atom_core.layers.linear import Linear, mark_lm_heads  # noqa: E402
+from atom_core.runner.sampler import Sampler  # noqa: E402
 
 ops = gemv_ops()
 
@@ -62,7 +62,7 @@ def test_screened_argmax_and_kept_logits_are_the_plain_heads(dtype, with_bias):
     screen, packed = screen_of(w)
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 8, 33):
-        for trial in range(20):
+        for _trial in range(20):
             # rows aimed at a near-tie pair (and the exact tie), plus a random one
             targets = torch.randint(0, n, (rows,), generator=g)
             targets[0] = n // 2
@@ -237,7 +237,9 @@ def test_a_sampler_subclass_gets_whole_logits_unless_it_says_otherwise(tiny, mon
     try:
         calls = count_screened(monkeypatch)
         engine = LLMEngine(tiny, dtype="float32", num_kvcache_blocks=64, max_model_len=256, sampler="ban-words")
-        out = engine.generate(random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        out = engine.generate(
+            random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
         assert not calls
         assert all(t % 3 for r in out for t in r["token_ids"])
     finally:
@@ -249,7 +251,9 @@ def test_under_speculative_decoding_the_head_makes_no_copy(tiny, monkeypatch):
     calls = count_screened(monkeypatch)
     spec = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
     engine = LLMEngine(tiny, dtype="float32", num_kvcache_blocks=64, max_model_len=256, speculative_config=spec)
-    engine.generate(random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    engine.generate(
+        random_prompts((9, 14)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     head = engine.runner.model.lm_head.gemm
     assert isinstance(head, ArgmaxScreen) and head.kernel is None and head.batch_invariant and not calls
     assert not engine.runner.screens_lm_head

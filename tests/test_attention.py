@@ -11,10 +11,12 @@ torch = pytest.importorskip("torch")
 from conftest import require_kernel  # noqa: E402
 
 from atom_attention import cpu_kernels  # noqa: E402
-from atom_attention.mha.cpu_paged import CpuPagedAttention  # noqa: E402
 from atom_attention.mha.builder import MHAMetadataBuilder, default_impl_cls  # noqa: E402
+from atom_attention.mha.cpu_paged import CpuPagedAttention  # noqa: E402
 from atom_attention.mha.torch_paged import TorchPagedAttention, chunk_size  # noqa: E402
+from atom_core.kv.layout import KVPoolPlan  # noqa: E402
 from atom_core.layers import Attention  # noqa: E402
+from atom_core.runner.attention_builder import BuilderContext  # noqa: E402
 
 IMPLS = [TorchPagedAttention, CpuPagedAttention]
 
@@ -24,15 +26,12 @@ BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 def make_builder(dtype, impl_cls=TorchPagedAttention):
     if impl_cls is CpuPagedAttention:
         require_kernel(cpu_kernels.load())
-    runner = SimpleNamespace(
-        config=SimpleNamespace(kv_cache_block_size=BS),
-        hf_config=None,
-        dtype=dtype,
-        device=torch.device("cpu"),
-        num_kvcache_blocks=NUM_BLOCKS,
+    context = BuilderContext(
+        config=SimpleNamespace(kv_cache_block_size=BS), hf_config=None, dtype=dtype, device=torch.device("cpu")
     )
     layer = Attention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
-    builder = type("Builder", (MHAMetadataBuilder,), {"impl_cls": impl_cls})(runner, [layer])
+    builder = type("Builder", (MHAMetadataBuilder,), {"impl_cls": impl_cls})(context, [layer])
+    builder.bind_pool(KVPoolPlan(num_blocks=NUM_BLOCKS, block_size=BS))
     builder.allocate_kv_cache_tensors(KV_HEADS, 0)
     assert builder.build_kv_cache_tensor(0, layer) is not None
     assert builder.compute_block_bytes() == 2 * BS * KV_HEADS * DIM * torch.tensor([], dtype=dtype).element_size()
@@ -106,7 +105,9 @@ def test_prefill_then_decode_matches_reference(context_lens, dtype, impl_cls):
     meta, q, out = run_step(builder, layer, context_lens, tables, [1] * len(context_lens), gen)
     if impl_cls is TorchPagedAttention:  # chunks serve batches above a few requests; small ones go one by one
         assert ("chunk_req" in meta.extra) == (len(context_lens) > 4)
-    torch.testing.assert_close(out, reference(layer.k_cache, layer.v_cache, layer.scale, q, tables, context_lens), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        out, reference(layer.k_cache, layer.v_cache, layer.scale, q, tables, context_lens), atol=tol, rtol=tol
+    )
 
 
 def test_chunk_size_trades_padding_against_chunk_count():
@@ -126,8 +127,14 @@ def test_cpu_kernel_serves_a_few_new_tokens_per_request_causally(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     context_lens, num_new = [37, 9, 64, 80], [3, 5, 1, 8]
     tables = random_tables(context_lens, gen)
-    run_step(builder, layer, [L - n for L, n in zip(context_lens, num_new)], tables,
-             [L - n for L, n in zip(context_lens, num_new)], gen)  # the cached part
+    run_step(
+        builder,
+        layer,
+        [L - n for L, n in zip(context_lens, num_new)],
+        tables,
+        [L - n for L, n in zip(context_lens, num_new)],
+        gen,
+    )  # the cached part
     _, q, out = run_step(builder, layer, context_lens, tables, num_new, gen)
     s = 0
     for table, L, n in zip(tables, context_lens, num_new):
@@ -163,8 +170,9 @@ def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group, ke
     k_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
     v_cache = torch.randn(kv_heads, nblocks, bs, dim, generator=gen).to(dtype)
     q = torch.randn(len(context_lens), kv_heads * group, dim, generator=gen).to(dtype)
-    out = ops.paged_attention(q, k_cache, v_cache, padded, torch.tensor(context_lens),
-                              torch.arange(len(context_lens) + 1), dim**-0.5)
+    out = ops.paged_attention(
+        q, k_cache, v_cache, padded, torch.tensor(context_lens), torch.arange(len(context_lens) + 1), dim**-0.5
+    )
     ref = reference(k_cache.float(), v_cache.float(), dim**-0.5, q.float(), tables, context_lens)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -1,10 +1,10 @@
 from collections import Counter
 
 import pytest
+from conftest import make_seq
 
 from atom_core import Block, BlockManager, Config, Sequence
 from atom_core.kv.state_checkpoints import StateCheckpoints
-from conftest import make_seq
 
 
 def manager(num_blocks=8, prefix=True, block_size=16, groups=0, checkpoints=0) -> BlockManager:

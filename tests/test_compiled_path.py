@@ -21,11 +21,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams, get_registry  # noqa: E402
-from atom_core.runner.compile import MAX_TOKENS, CompiledForward, compile_model  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
+
+from atom_core import SamplingParams, get_registry  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.runner.compile import MAX_TOKENS, CompiledForward, compile_model  # noqa: E402
 
 # One arch per model class the atom_models plugin registers (test_families_cover_every_model_plugin).
 FAMILIES = [

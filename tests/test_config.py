@@ -28,13 +28,13 @@ def test_valid_block_sizes(size):
 
 @pytest.mark.parametrize("size", [0, 2, 8, 15, 17, 24, -16])
 def test_block_size_must_be_multiple_of_16_or_one(size):
-    with pytest.raises(ValueError, match=rf"kv_cache_block_size must be a positive multiple of 16 or exactly 1, got {size}"):
+    with pytest.raises(
+        ValueError, match=rf"kv_cache_block_size must be a positive multiple of 16 or exactly 1, got {size}"
+    ):
         Config(kv_cache_block_size=size)
 
 
-@pytest.mark.parametrize(
-    "field", ["max_num_seqs", "max_num_batched_tokens", "num_kvcache_blocks", "max_model_len"]
-)
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "num_kvcache_blocks", "max_model_len"])
 @pytest.mark.parametrize("value", [0, -3])
 def test_counts_must_be_positive(field, value):
     with pytest.raises(ValueError, match=rf"{field} must be a positive integer, got {value}"):
@@ -85,7 +85,13 @@ def test_speculative_config_sets_k():
 def test_sampling_params_defaults():
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.ignore_eos, p.stop_strings, p.seed) == (
-        1.0, -1, 1.0, 64, False, [], None,
+        1.0,
+        -1,
+        1.0,
+        64,
+        False,
+        [],
+        None,
     )
     assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams(top_k=1).is_greedy

@@ -40,7 +40,9 @@ def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
     assert detect(ZEN5, isa="AVX512", machine="x86_64").variants == ("avx512", "avx2", "portable")
     with pytest.raises(ValueError, match=r"ATOM_CPU_ISA=avx512: this CPU cannot run it \(it lacks avx512bw"):
         detect(ZEN3, isa="avx512", machine="x86_64")
-    with pytest.raises(ValueError, match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"):
+    with pytest.raises(
+        ValueError, match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"
+    ):
         detect(ZEN3, isa="sse9", machine="x86_64")
 
 
@@ -104,8 +106,8 @@ def test_kernels_off_and_no_compiler(tmp_path, monkeypatch):
 
 def test_atom_env_names_the_variant_of_each_kernel(capsys):
     from atom_core.engine.cli import main
-    from atom_core.platform.cpu_features import cpu_features
     from atom_core.layers.cpp import kernels_enabled
+    from atom_core.platform.cpu_features import cpu_features
 
     assert main(["env"]) == 0
     out = capsys.readouterr().out

@@ -15,8 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from conftest import record_preemptions  # noqa: E402
 from model_utils import (  # noqa: E402
     ARCHS,
     build_tiny_model,
@@ -27,7 +26,9 @@ from model_utils import (  # noqa: E402
     second_wave_cached_tokens,
     shared_prefix_waves,
 )
-from conftest import record_preemptions  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 MLA_ARCHS = sorted(n for n, s in ARCHS.items() if s.get("attention") == "mla")
 POLICIES = ["prefill_first", "mixed", "spyre"]
@@ -111,8 +112,13 @@ def test_preemption_mid_generation_matches_transformers(tiny):
 def test_chunked_prompts_with_prefix_caching_under_every_policy(tiny, policy):
     folder, _, oracle = tiny
     engine = make_engine(
-        folder, 96, max_model_len=512, enable_prefix_caching=True, max_num_batched_tokens=48,
-        prefill_chunk_size=48, scheduling_policy=policy,
+        folder,
+        96,
+        max_model_len=512,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=48,
+        prefill_chunk_size=48,
+        scheduling_policy=policy,
     )
     first, second = shared_prefix_waves((1, 16, 17, 49, 100, 300))
     r1, l1 = run_with_logits(engine, first, max_tokens=8)
@@ -127,7 +133,12 @@ def test_chunked_prompts_with_prefix_caching_under_every_policy(tiny, policy):
 def test_preemption_with_chunked_prompts_under_every_policy(tiny, policy):
     folder, _, oracle = tiny
     engine = make_engine(
-        folder, 12, max_num_seqs=6, max_model_len=160, max_num_batched_tokens=48, prefill_chunk_size=48,
+        folder,
+        12,
+        max_num_seqs=6,
+        max_model_len=160,
+        max_num_batched_tokens=48,
+        prefill_chunk_size=48,
         scheduling_policy=policy,
     )
     preempted = record_preemptions(engine.scheduler)

@@ -94,9 +94,10 @@ def test_idempotent_and_classes_shared():
 
 
 def test_engine_runs_its_model_through_direct_calls(tmp_path):
+    from model_utils import build_tiny_model
+
     from atom_core import SamplingParams
     from atom_core.engine.llm_engine import LLMEngine
-    from model_utils import build_tiny_model
 
     build_tiny_model("llama", tmp_path)
     engine = LLMEngine(str(tmp_path), dtype="float32", max_model_len=64, kv_cache_memory=1 << 22)

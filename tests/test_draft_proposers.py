@@ -16,16 +16,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import require_kernel  # noqa: E402
-
 import torch.nn.functional as F  # noqa: E402
+from conftest import (
+    record_preemptions,  # noqa: E402
+    require_kernel,  # noqa: E402
+)
+from model_utils import add_mtp_layer, build_eagle3_head, build_tiny_model, random_prompts, scale_rows  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
-from conftest import record_preemptions  # noqa: E402
 from atom_core.layers.embedding import LookupEmbedding  # noqa: E402
-from model_utils import add_mtp_layer, build_eagle3_head, build_tiny_model, random_prompts, scale_rows  # noqa: E402
 
 NEW = 24
 FAVOURED = [7, 42, 99, 200]  # both heads lean towards these: drafts are sometimes right
@@ -78,7 +79,7 @@ def generate(folder, spec=None, **config):
     engine = LLMEngine(folder, dtype="float32", speculative_config=spec, **config)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     out = engine.generate(prompts(), params, use_tqdm=False)
-    assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_plan.num_blocks
     return [r["token_ids"] for r in out], engine, out
 
 
@@ -108,7 +109,11 @@ def test_greedy_output_is_unchanged(target, k):
 def test_greedy_output_is_unchanged_under_preemption(target):
     spec = dict(target.spec, num_speculative_tokens=3, min_acceptance_rate=0)
     engine = LLMEngine(
-        target.folder, dtype="float32", max_model_len=128, num_kvcache_blocks=12, enable_prefix_caching=True,
+        target.folder,
+        dtype="float32",
+        max_model_len=128,
+        num_kvcache_blocks=12,
+        enable_prefix_caching=True,
         speculative_config=spec,
     )
     preempted = record_preemptions(engine.scheduler)
@@ -208,9 +213,9 @@ def eagle3_drafts(ll, head, tokens: list[int], k: int) -> list[int]:
         e = rms(embed[after], w[m + "input_layernorm.weight"], eps)
         x = torch.cat([e, rms(h, w[m + "hidden_norm.weight"], eps)], -1)
         pos = torch.arange(n)[None]
-        a = head.attn(
-            hidden_states=x[None], position_embeddings=head.rotary(x[None], pos), attention_mask=causal(n)
-        )[0][0]
+        a = head.attn(hidden_states=x[None], position_embeddings=head.rotary(x[None], pos), attention_mask=causal(n))[
+            0
+        ][0]
         h = h + a
         z = rms(h, w[m + "post_attention_layernorm.weight"], eps)
         gated = F.silu(z @ w[m + "mlp.gate_proj.weight"].T) * (z @ w[m + "mlp.up_proj.weight"].T)
@@ -245,8 +250,14 @@ def check_drafts(target, reference, **config):
     equals the reference on the whole sequence: the draft KV kept by the runner is right."""
     spec = dict(target.spec, num_speculative_tokens=3, min_acceptance_rate=0)
     engine = LLMEngine(
-        target.folder, dtype="float32", max_model_len=256, num_kvcache_blocks=64, max_num_batched_tokens=16,
-        enable_prefix_caching=True, speculative_config=spec, **config,
+        target.folder,
+        dtype="float32",
+        max_model_len=256,
+        num_kvcache_blocks=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        speculative_config=spec,
+        **config,
     )
     records = record_drafts(engine)
     out = engine.generate(prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -8,10 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from model_utils import build_tiny_model, hf_greedy  # noqa: E402
+
 from atom_core import RequestOutput, SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.runner.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties  # noqa: E402
-from model_utils import build_tiny_model, hf_greedy  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 30)), [7]]
@@ -73,7 +74,9 @@ def test_prompts_of_every_accepted_shape_and_clear_errors_for_the_rest(engine, t
     as_numpy_ints = [np.int64(t) for t in PROMPTS[0]]
     assert engine.generate(as_numpy_ints, GREEDY, use_tqdm=False)[0]["token_ids"] == expected
     assert engine.generate([as_numpy_ints], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
-    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids or a list of those, got NoneType"):
+    with pytest.raises(
+        TypeError, match="prompts must be a string, a list of token ids or a list of those, got NoneType"
+    ):
         engine.generate(None, GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="got ndarray"):
         engine.generate(np.array([[1, 2], [3, 4]]), GREEDY, use_tqdm=False)
@@ -250,10 +253,11 @@ def test_bad_prompts_are_refused_without_disturbing_requests_in_flight(engine, p
 
 def test_an_explicit_pool_needs_no_free_memory_reading(tiny, monkeypatch):
     """Where free memory cannot be read (no /proc/meminfo), a pool of given size is taken as given."""
+
     def unreadable(device):
         raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
 
-    monkeypatch.setattr("atom_core.runner.model_runner.free_memory_bytes", unreadable)
+    monkeypatch.setattr("atom_core.runner.kv_pool.free_memory_bytes", unreadable)
     engine = LLMEngine(tiny[0], num_kvcache_blocks=16, max_model_len=128)
     assert engine.scheduler.block_manager.num_free_blocks == 16
 
@@ -264,14 +268,21 @@ def test_configuration_errors_name_the_problem(tiny):
     with pytest.raises(ValueError, match="fewer than the 8 blocks one request of max_model_len=128"):
         LLMEngine(tiny[0], num_kvcache_blocks=4, max_model_len=128)
     # a pool past the memory there is: named, not an OSError from mmap (or the OOM killer)
-    with pytest.raises(ValueError, match=r"num_kvcache_blocks=10000000000 takes .* bytes .* more than the \d+ bytes of cpu"):
+    with pytest.raises(
+        ValueError, match=r"num_kvcache_blocks=10000000000 takes .* bytes .* more than the \d+ bytes of cpu"
+    ):
         LLMEngine(tiny[0], num_kvcache_blocks=10**10, max_model_len=128)
     # spyre keeps block 0 for padding: 8 blocks hold 7 for requests
     with pytest.raises(ValueError, match="fewer than the 8 blocks .* beside the 1 the 'spyre' policy reserves"):
         LLMEngine(tiny[0], num_kvcache_blocks=8, max_model_len=128, scheduling_policy="spyre")
     LLMEngine(tiny[0], num_kvcache_blocks=9, max_model_len=128, scheduling_policy="spyre")
     # drafts stay inside the blocks of max_model_len tokens: 8 blocks serve k=4 drafts too
-    LLMEngine(tiny[0], num_kvcache_blocks=8, max_model_len=128, speculative_config=dict(method="ngram", num_speculative_tokens=4))
+    LLMEngine(
+        tiny[0],
+        num_kvcache_blocks=8,
+        max_model_len=128,
+        speculative_config=dict(method="ngram", num_speculative_tokens=4),
+    )
     with pytest.raises(ValueError, match="max_model_len=1024 exceeds the model's max_position_embeddings=512"):
         LLMEngine(tiny[0], max_model_len=1024)
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -283,8 +294,8 @@ def test_configuration_errors_name_the_problem(tiny):
 def test_kv_pool_sized_from_memory_budget(tiny):
     # 2 layers x K and V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192 bytes a block
     engine = LLMEngine(tiny[0], kv_cache_memory=8192 * 20, max_model_len=64)
-    assert engine.runner.block_bytes == 8192
-    assert engine.config.num_kvcache_blocks == 20
+    assert engine.kv_plan.block_bytes == 8192
+    assert engine.kv_plan.num_blocks == 20
     assert engine.runner.kv_cache_tensors["kv_cache"].shape == (2, 2, 2, 21, 16, 16)  # + the null block
 
 

@@ -89,12 +89,25 @@ def test_against_transformers(T):
     q, k, v, g, beta = make_inputs(T, seed=3 * T)
     s0 = rand_state(seed=5)
     ref_c, ref_cs = qn.torch_chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], chunk_size=64,
-        initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        chunk_size=64,
+        initial_state=s0[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     ref_r, ref_rs = qn.torch_recurrent_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None],
-        initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        initial_state=s0[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     out_c, st_c = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=64)
     out_r, st_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
@@ -153,7 +166,9 @@ def test_decode_steps_continue_prefill():
     pool[1] = st
     slot = torch.tensor([1])
     outs = [
-        recurrent_gated_delta_rule_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], pool, slot)
+        recurrent_gated_delta_rule_step(
+            q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], pool, slot
+        )
         for t in range(T, T + steps)
     ]
     ref_o, ref_s = recurrent_gated_delta_rule(q, k, v, g, beta, None)

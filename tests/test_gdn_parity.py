@@ -15,10 +15,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from model_utils import GDN_ARCHS, cached_greedy, check_against_hf, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
+from model_utils import GDN_ARCHS, cached_greedy, check_against_hf, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
 
 NEW = 12
 POLICIES = ["prefill_first", "mixed", "spyre"]
@@ -59,7 +60,7 @@ def test_model_is_what_the_parity_is_about(tiny):
     gdn = runner.attn_builders["gdn"]
     assert gdn.compute_block_bytes() == 0 and gdn.compute_per_req_cache_bytes() > 0
     assert len(gdn.layers) == 3 and len(runner.attn_builders["mha"].layers) == 1
-    assert runner.num_per_req_cache_groups == engine.config.max_num_seqs
+    assert engine.kv_plan.num_state_groups == engine.config.max_num_seqs
     assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     # Routed experts sit in the same layers as in transformers' model.
     ours = [hasattr(layer.mlp, "experts") for layer in runner.model.model.layers]
@@ -102,8 +103,13 @@ def test_preemption_recomputes_state_from_scratch(tiny, oracle, policy):
     folder, _ = tiny
     extra = dict(prefill_chunk_size=48) if policy == "spyre" else {}
     engine = make_engine(
-        folder, scheduling_policy=policy, num_kvcache_blocks=12, max_num_seqs=6, max_model_len=160,
-        max_num_batched_tokens=48, **extra,
+        folder,
+        scheduling_policy=policy,
+        num_kvcache_blocks=12,
+        max_num_seqs=6,
+        max_model_len=160,
+        max_num_batched_tokens=48,
+        **extra,
     )
     preempted = record_preemptions(engine.scheduler)
     prompts = random_prompts((20, 120, 5, 60, 33, 90), seed=7)
@@ -148,6 +154,7 @@ def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
 
     from atom_attention.gdn.builder import GDNMetadataBuilder
     from atom_attention.mha.builder import MHAMetadataBuilder
+    from atom_core.runner.attention_builder import BuilderContext
     from atom_models.qwen3_next import Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig()  # transformers' defaults are Qwen3-Next-80B-A3B's shapes
@@ -159,7 +166,7 @@ def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
 
     def runner(state_dtype):
         config = SimpleNamespace(kv_cache_block_size=16, gdn_state_dtype=state_dtype, enable_prefix_caching=False)
-        return SimpleNamespace(config=config, hf_config=cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
+        return BuilderContext(config=config, hf_config=cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
 
     mha = MHAMetadataBuilder(runner("float32"), layers["mha"])
     assert mha.compute_block_bytes() == 2 * 12 * 16 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
@@ -179,6 +186,8 @@ def test_bfloat16_state_halves_the_groups_and_still_generates(tiny, oracle):
     full = make_engine(folder).runner.attn_builders["gdn"].compute_per_req_cache_bytes()
     assert engine.runner.attn_builders["gdn"].compute_per_req_cache_bytes() * 2 == full
     prompt = random_prompts((30,), seed=11)[0]
-    result = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[0]
+    result = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     # Rounded state drifts from the float32 oracle eventually; the first tokens agree.
     assert result["finish_reason"] == "max_tokens" and result["token_ids"][:2] == oracle(prompt)[:2]

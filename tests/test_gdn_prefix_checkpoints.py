@@ -14,11 +14,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import GDN_ARCHS, cached_greedy, check_against_hf, random_prompts, run_with_logits, tiny_models  # noqa: E402
 from model_utils import make_gdn_engine as make_engine  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 NEW = 8
 BS = 16
@@ -99,8 +100,15 @@ def test_chunked_prompts_checkpoint_and_resume_under_every_policy(tiny, oracle, 
     folder, _ = tiny
     extra = dict(prefill_chunk_size=32) if policy == "spyre" else {}
     engine = make_engine(
-        folder, enable_prefix_caching=True, gdn_checkpoint_slots=4, scheduling_policy=policy,
-        max_num_batched_tokens=48, num_kvcache_blocks=12, max_num_seqs=4, max_model_len=160, **extra,
+        folder,
+        enable_prefix_caching=True,
+        gdn_checkpoint_slots=4,
+        scheduling_policy=policy,
+        max_num_batched_tokens=48,
+        num_kvcache_blocks=12,
+        max_num_seqs=4,
+        max_model_len=160,
+        **extra,
     )
     preempted = record_preemptions(engine.scheduler)
     system = random_prompts((100,), seed=24)[0]
@@ -134,25 +142,31 @@ def test_an_evicted_checkpoint_is_a_miss_not_an_error(tiny, oracle):
 def test_the_budget_pays_for_the_checkpoint_slots(tiny):
     folder, _ = tiny
     probe = make_engine(folder, max_num_seqs=2, max_model_len=128)
-    group = probe.runner.group_bytes
-    block = probe.runner.block_bytes
+    group = probe.kv_plan.group_bytes
+    block = probe.kv_plan.block_bytes
     per_request = 128 // BS
     common = dict(dtype="float32", max_num_seqs=2, max_model_len=128, enable_prefix_caching=True)
     budget = (2 + 3) * group + (per_request + 5) * block
     engine = LLMEngine(folder, kv_cache_memory=budget, gdn_checkpoint_slots=3, **common)
-    assert engine.runner.num_kvcache_blocks == per_request + 5
-    assert engine.config.gdn_checkpoint_slots == 3
+    assert engine.kv_plan.num_blocks == per_request + 5
+    assert engine.kv_plan.num_state_checkpoints == 3
     assert {t.shape[1] for t in engine.runner.per_req_cache_tensors.values()} == {2 + 3}  # groups, then checkpoints
     with pytest.raises(ValueError, match=r"3 state checkpoints .*gdn_checkpoint_slots=3.*at most 1 groups fit"):
         LLMEngine(folder, kv_cache_memory=budget - group - 5 * block, gdn_checkpoint_slots=3, **common)
     # Without prefix caching there are no checkpoints to pay for.
     plain = LLMEngine(folder, kv_cache_memory=budget, **{**common, "enable_prefix_caching": False})
-    assert plain.config.gdn_checkpoint_slots == 0
-    assert plain.runner.num_kvcache_blocks == min(2 * per_request, (budget - 2 * group) // block)
+    assert plain.kv_plan.num_state_checkpoints == 0
+    assert plain.kv_plan.num_blocks == min(2 * per_request, (budget - 2 * group) // block)
 
 
 def test_prefix_caching_without_checkpoint_slots_is_refused(tiny):
     folder, _ = tiny
     with pytest.raises(ValueError, match="gdn_checkpoint_slots=0"):
-        LLMEngine(folder, dtype="float32", num_kvcache_blocks=16, max_model_len=128, enable_prefix_caching=True,
-                  gdn_checkpoint_slots=0)
+        LLMEngine(
+            folder,
+            dtype="float32",
+            num_kvcache_blocks=16,
+            max_model_len=128,
+            enable_prefix_caching=True,
+            gdn_checkpoint_slots=0,
+        )

@@ -17,22 +17,23 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
+
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
+from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams, hookimpl  # noqa: E402
-from atom_core.loading.gguf.architecture import GGUFArchitecture  # noqa: E402
-from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
-from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import FusedMoE  # noqa: E402
 from atom_core.layers.quantized_gemm import Int8PackGemm, StreamingGroupGemm  # noqa: E402
-from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
-from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
-from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
+from atom_core.loading.gguf.architecture import GGUFArchitecture  # noqa: E402
+from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
+from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
 
 # family -> (tiny model in model_utils.ARCHS, config overrides, converter --outtype)
 FAMILIES = {
@@ -97,7 +98,11 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
     assert config["architectures"] == [arch["cls"]]
     if family == "llama3_rope":  # factor 8 for the low frequencies, 1 for the high ones
         factors = config["rope_freq_factors"]
-        assert (max(factors), min(factors), len(factors)) == (8.0, 1.0, config["hidden_size"] // config["num_attention_heads"] // 2)
+        assert (max(factors), min(factors), len(factors)) == (
+            8.0,
+            1.0,
+            config["hidden_size"] // config["num_attention_heads"] // 2,
+        )
     assert sorted(state) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name

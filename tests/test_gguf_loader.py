@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
+from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
+from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
 from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
 from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
-from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
-from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType

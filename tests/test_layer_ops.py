@@ -6,8 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.layers import ops  # noqa: E402
 from conftest import require_kernel  # noqa: E402
+
+from atom_core.layers import ops  # noqa: E402
 
 
 @pytest.fixture
@@ -37,8 +38,11 @@ def test_rms_norm_matches_torch(native, monkeypatch, dtype):
     torch.testing.assert_close(fused, ops.rms_norm(x, w, 1e-5), **tolerance(dtype))
     # per-head norm on a [tokens, heads, dim] view (Qwen3's q/k norm)
     xh = x[:, :512].reshape(37, 8, 64)
-    torch.testing.assert_close(native.rms_norm(xh.reshape(-1, 64), w[:64], 1e-6).view(37, 8, 64),
-                               ops.rms_norm(xh, w[:64], 1e-6), **tolerance(dtype))
+    torch.testing.assert_close(
+        native.rms_norm(xh.reshape(-1, 64), w[:64], 1e-6).view(37, 8, 64),
+        ops.rms_norm(xh, w[:64], 1e-6),
+        **tolerance(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,7 +160,11 @@ def test_near_max_matches_its_torch_definition(native):
     gen = torch.Generator().manual_seed(3)
     for rows, n in [(1, 49152), (3, 17), (8, 1000), (2, 16), (1, 1)]:
         x = torch.randn(rows, n, generator=gen) * 4
-        for base, eps in [(torch.zeros(rows), 0.0), (torch.rand(rows, generator=gen) * 15, 2.0**-8), (torch.full((rows,), 1e3), 0.01)]:
+        for base, eps in [
+            (torch.zeros(rows), 0.0),
+            (torch.rand(rows, generator=gen) * 15, 2.0**-8),
+            (torch.full((rows,), 1e3), 0.01),
+        ]:
             got, want = near_max(x, base, eps), reference(x, base, eps)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, n, eps)
     x = torch.full((4, 40), -5.0)

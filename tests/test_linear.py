@@ -9,10 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.platform.cpu_features import cpu_features  # noqa: E402
-from atom_core.layers.gemm import gemv_ops, gemv_weight, StreamingGemm  # noqa: E402
-from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding  # noqa: E402
 from conftest import require_kernel  # noqa: E402
+
+from atom_core.layers.gemm import StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

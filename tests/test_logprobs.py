@@ -6,10 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from conftest import record_preemptions  # noqa: E402
 from model_utils import build_tiny_model, hf_logits, random_prompts  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 TOP = 3
 
@@ -160,7 +161,9 @@ def test_streamed_outputs_carry_the_logprobs_of_their_tokens(tiny):
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     asked, plain = [], []
     rid = engine.add_request(
-        prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1), stream_callback=asked.append
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1),
+        stream_callback=asked.append,
     )
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12), stream_callback=plain.append)
     results = {}

@@ -184,10 +184,10 @@ def test_huge_pages_can_be_switched_off(monkeypatch):
 def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     from model_utils import build_tiny_model
 
-    from atom_core.layers.gemm import gemv_ops, StreamingGemm
+    from atom_core.engine.llm_engine import LLMEngine
+    from atom_core.layers.gemm import StreamingGemm, gemv_ops
     from atom_core.layers.linear import Linear, StreamedEmbedding
     from atom_core.layers.quantized_gemm import StreamingGroupGemm
-    from atom_core.engine.llm_engine import LLMEngine
 
     require_kernel(gemv_ops())
     build_tiny_model("llama_tied_rope3", tmp_path)

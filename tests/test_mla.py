@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import KERNEL_VARIANTS, require_kernel  # noqa: E402
-
-from atom_core.runner.attention_builder import AttentionMetadataBuilder  # noqa: E402
-from atom_core.layers.mla import MLAAttention  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import build_tiny_model, random_prompts, run_with_logits  # noqa: E402
+
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.layers.mla import MLAAttention  # noqa: E402
+from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext  # noqa: E402
 
 # DeepSeek-V3 (671B) config.json, shapes only.
 DEEPSEEK_V3 = dict(
@@ -44,17 +44,24 @@ DEEPSEEK_V3 = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000,
     rope_scaling=dict(
-        type="yarn", factor=40, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0,
-        beta_fast=32, beta_slow=1,
+        type="yarn",
+        factor=40,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        beta_fast=32,
+        beta_slow=1,
     ),
     tie_word_embeddings=False,
 )
 
 
-def fake_runner(hf_config, dtype=torch.bfloat16, block_size=16, num_blocks=8):
-    return SimpleNamespace(
-        config=SimpleNamespace(kv_cache_block_size=block_size), hf_config=hf_config, dtype=dtype,
-        device=torch.device("cpu"), num_kvcache_blocks=num_blocks,
+def builder_context(hf_config, dtype=torch.bfloat16, block_size=16):
+    return BuilderContext(
+        config=SimpleNamespace(kv_cache_block_size=block_size),
+        hf_config=hf_config,
+        dtype=dtype,
+        device=torch.device("cpu"),
     )
 
 
@@ -67,7 +74,7 @@ def test_block_bytes_of_real_deepseek_v3_are_one_latent_row_per_token_and_layer(
         model = DeepseekV3ForCausalLM(cfg)
     layers = [m for m in model.modules() if getattr(m, "attn_type", None) == "mla"]
     assert len(layers) == 61
-    builder = MLAMetadataBuilder(fake_runner(cfg), layers)
+    builder = MLAMetadataBuilder(builder_context(cfg), layers)
     assert builder.compute_block_bytes() == 16 * 61 * (512 + 64) * 2
     assert builder.compute_block_bytes() // 16 == 70_272
     # yarn with mscale_all_dim: the softmax scale is qk_head_dim ** -0.5 times mscale ** 2
@@ -148,10 +155,15 @@ def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, sha
     total = sum(q_lens)
     q_nope, q_pe = torch.randn(total, heads, nope).to(dtype), torch.randn(total, heads, rope).to(dtype)
     batch = SimpleNamespace(
-        num_scheduled_tokens=q_lens, context_lens=ctx, block_tables=tables, num_cached_tokens=[0] * len(ctx),
-        pad_block=None, left_pad_blocks=None, tkvs=None,
+        num_scheduled_tokens=q_lens,
+        context_lens=ctx,
+        block_tables=tables,
+        num_cached_tokens=[0] * len(ctx),
+        pad_block=None,
+        left_pad_blocks=None,
+        tkvs=None,
     )
-    meta = AttentionMetadataBuilder(fake_runner(None, dtype, BS, num_blocks), []).build(batch)
+    meta = AttentionMetadataBuilder(builder_context(None, dtype, BS), []).build(batch)
     impl.prepare(meta, BS, num_blocks)
     with torch.no_grad():
         out = impl.forward(layer, q_nope, q_pe, new[:, :rank].contiguous(), new[:, rank:].contiguous(), meta)

@@ -6,8 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from conftest import record_preemptions  # noqa: E402
 from model_utils import (  # noqa: E402
     ARCHS,
     NEW_TOKENS,
@@ -19,7 +18,9 @@ from model_utils import (  # noqa: E402
     run_with_logits,
     tiny_models,
 )
-from conftest import record_preemptions  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 PROMPT_LENS = (1, 15, 16, 17, 40)  # around the 16-token block edges
 

@@ -9,15 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 from conftest import require_kernel  # noqa: E402
-
 from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 from atom_core.layers import FusedMoE, register_router, select_experts  # noqa: E402
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES, ROUTERS  # noqa: E402
 from atom_core.loading.checkpoint import load_model_weights  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 
 
 def as_sets(ids: torch.Tensor) -> list[set[int]]:
@@ -68,7 +67,9 @@ def test_group_limited_greedy_keeps_the_groups_with_the_best_expert():
     # 4 groups of 2. Group maxima: g0 = 5, g1 = 4 (its sum 8 would win under sum-of-two), g2 = 4.5, g3 = 1.
     logits = torch.tensor([[5.0, 0.0, 4.0, 4.0, 4.5, 3.9, 1.0, 1.0]])
     probs = torch.softmax(logits, -1)[0]
-    w, ids = select_experts(logits, 3, "group_limited_greedy", num_expert_group=4, topk_group=2, routed_scaling_factor=0.5)
+    w, ids = select_experts(
+        logits, 3, "group_limited_greedy", num_expert_group=4, topk_group=2, routed_scaling_factor=0.5
+    )
     # Groups 0 and 2 kept: experts 0, 1, 4, 5; best three 0, 4, 5; weights not renormalised.
     assert picked(w, ids) == [pytest.approx({e: probs[e].item() * 0.5 for e in (0, 4, 5)})]
 
@@ -86,7 +87,9 @@ def test_noaux_tc_bias_steers_selection_not_weights():
     scores = torch.sigmoid(logits)[0]
     w, ids = select_experts(logits, 2, "noaux_tc", correction_bias=bias, renormalize=True, routed_scaling_factor=2.5)
     total = scores[0] + scores[2]
-    assert picked(w, ids) == [pytest.approx({0: 2.5 * scores[0].item() / total.item(), 2: 2.5 * scores[2].item() / total.item()})]
+    assert picked(w, ids) == [
+        pytest.approx({0: 2.5 * scores[0].item() / total.item(), 2: 2.5 * scores[2].item() / total.item()})
+    ]
     w, ids = select_experts(logits, 2, "noaux_tc", correction_bias=bias)
     assert picked(w, ids) == [pytest.approx({0: scores[0].item(), 2: scores[2].item()})]  # unbiased sigmoid
 
@@ -145,11 +148,21 @@ def _hf_router(module: str, cls: str, config_cls: str, **kwargs):
 
 HF_ROUTERS = {
     "qwen3_moe": (
-        ("qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False)),
+        (
+            "qwen3_moe",
+            "Qwen3MoeTopKRouter",
+            "Qwen3MoeConfig",
+            dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=False),
+        ),
         dict(method="softmax"),
     ),
     "qwen3_moe_norm": (
-        ("qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),
+        (
+            "qwen3_moe",
+            "Qwen3MoeTopKRouter",
+            "Qwen3MoeConfig",
+            dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
+        ),
         dict(method="softmax", renormalize=True),
     ),
     "mixtral": (
@@ -157,20 +170,44 @@ HF_ROUTERS = {
         dict(method="softmax", renormalize=True),
     ),
     "deepseek_v2_greedy": (
-        ("deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Config",
-         dict(n_routed_experts=16, num_experts_per_tok=4, topk_method="greedy", routed_scaling_factor=1.7)),
+        (
+            "deepseek_v2",
+            "DeepseekV2TopkRouter",
+            "DeepseekV2Config",
+            dict(n_routed_experts=16, num_experts_per_tok=4, topk_method="greedy", routed_scaling_factor=1.7),
+        ),
         dict(method="greedy", routed_scaling_factor=1.7),
     ),
     "deepseek_v2_group": (
-        ("deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Config",
-         dict(n_routed_experts=16, num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-              routed_scaling_factor=1.7)),
+        (
+            "deepseek_v2",
+            "DeepseekV2TopkRouter",
+            "DeepseekV2Config",
+            dict(
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                topk_method="group_limited_greedy",
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=1.7,
+            ),
+        ),
         dict(method="group_limited_greedy", num_expert_group=4, topk_group=2, routed_scaling_factor=1.7),
     ),
     "deepseek_v3": (
-        ("deepseek_v3", "DeepseekV3TopkRouter", "DeepseekV3Config",
-         dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-              norm_topk_prob=True)),
+        (
+            "deepseek_v3",
+            "DeepseekV3TopkRouter",
+            "DeepseekV3Config",
+            dict(
+                n_routed_experts=16,
+                num_experts_per_tok=4,
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+            ),
+        ),
         dict(method="noaux_tc", num_expert_group=4, topk_group=2, routed_scaling_factor=2.5, renormalize=True),
     ),
 }

@@ -14,8 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import test_policy_parity as policy_parity  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from model_utils import tiny_models  # noqa: E402
+
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
 
@@ -37,7 +38,9 @@ def test_sparse_and_dense_layers_sit_where_transformers_puts_them(tiny, monkeypa
     from atom_core.layers import FusedMoE
     from atom_models.sparse_moe import SparseMoeBlock
 
-    monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")  # keep the stacked weights (oneDNN's micro-kernel takes them in panels)
+    monkeypatch.setenv(
+        "ATOM_DISABLE_ONEDNN", "1"
+    )  # keep the stacked weights (oneDNN's micro-kernel takes them in panels)
     folder, hf = tiny
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=8, max_model_len=64)
     ours = [isinstance(layer.mlp, SparseMoeBlock) for layer in engine.runner.model.model.layers]
@@ -59,8 +62,14 @@ def test_mixtral_refuses_a_sliding_window_shorter_than_the_context():
     from atom_models.mixtral import MixtralForCausalLM
 
     config = transformers.MixtralConfig(
-        vocab_size=16, hidden_size=8, intermediate_size=4, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=2, sliding_window=64,
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=2,
+        sliding_window=64,
     )
     with pytest.raises(ValueError, match="sliding_window=64"):
         MixtralForCausalLM(config, SimpleNamespace(max_model_len=128))
@@ -80,8 +89,14 @@ def test_qwen3_refuses_sliding_layers_it_would_run_with_full_attention(arch):
 
     model_cls = get_registry("models").get(f"{arch}ForCausalLM")
     shapes = dict(
-        vocab_size=16, hidden_size=8, intermediate_size=4, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, sliding_window=16,
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=4,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        sliding_window=16,
     )
     if arch == "Qwen3Moe":
         shapes.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4)

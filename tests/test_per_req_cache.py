@@ -7,9 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from model_utils import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
+
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
-from model_utils import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
 
 GROUP_BYTES = 4096
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
@@ -40,9 +41,8 @@ def test_the_budget_pays_for_the_groups_first(tiny, stateful):
     folder, _ = tiny
     budget = 4 * GROUP_BYTES + 10 * BLOCK_BYTES
     engine = LLMEngine(folder, dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory=budget)
-    assert engine.runner.num_kvcache_blocks == 10
-    assert engine.config.num_per_req_cache_groups == 4 and stateful == [4]
-    assert engine.config.per_req_cache_equiv_blocks == 1  # 4 KiB of state is worth one 8 KiB block
+    assert engine.kv_plan.num_blocks == 10
+    assert engine.kv_plan.num_state_groups == 4 and stateful == [4]
 
 
 @pytest.mark.parametrize("groups", [0, 3])
@@ -53,7 +53,11 @@ def test_a_budget_too_small_for_the_groups_names_the_numbers(tiny, stateful, gro
     fit = (budget - 4 * BLOCK_BYTES) // GROUP_BYTES
     with pytest.raises(ValueError, match=rf"groups of {GROUP_BYTES} bytes \({field}\).*at most {fit} groups fit"):
         LLMEngine(
-            folder, dtype="float32", max_model_len=64, max_num_seqs=4, kv_cache_memory=budget,
+            folder,
+            dtype="float32",
+            max_model_len=64,
+            max_num_seqs=4,
+            kv_cache_memory=budget,
             num_per_req_cache_groups=groups,
         )
 

@@ -189,9 +189,21 @@ def test_out_of_tree_package_installed_with_pip_is_found_through_entry_points(tm
     """A third party's package adds a model and an attention type; the core is untouched."""
     target = tmp_path / "site"
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(FIXTURE)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(FIXTURE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stderr
     result = _run(

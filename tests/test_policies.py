@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_seq, record_preemptions
 
 from atom_core import (
     Config,
@@ -15,7 +16,6 @@ from atom_core import (
     hookimpl,
 )
 from atom_core.sched.policy import SchedulingPolicy, StepBuilder
-from conftest import make_seq, record_preemptions
 
 
 def sched_for(policy: str, **config) -> Scheduler:
@@ -242,7 +242,9 @@ def test_an_out_of_tree_policy_is_picked_by_name(plugin_manager):
 
 
 def test_an_unknown_policy_names_the_known_ones():
-    with pytest.raises(RegistryError, match="unknown scheduling policy .nope.. Known scheduling policies: mixed.*prefill_first.*spyre"):
+    with pytest.raises(
+        RegistryError, match="unknown scheduling policy .nope.. Known scheduling policies: mixed.*prefill_first.*spyre"
+    ):
         sched_for("nope")
 
 
@@ -284,5 +286,7 @@ def test_a_registered_policy_that_is_not_a_scheduling_policy_is_refused_by_name(
         pass
 
     register_policy(plugin_manager, "not_a_policy", NotAPolicy)
-    with pytest.raises(TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.sched.policy.SchedulingPolicy"):
+    with pytest.raises(
+        TypeError, match="'not_a_policy' is registered as .*not a subclass of atom_core.sched.policy.SchedulingPolicy"
+    ):
         Scheduler(Config(num_kvcache_blocks=8, scheduling_policy="not_a_policy"))

@@ -12,8 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core import SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from conftest import record_preemptions  # noqa: E402
 from model_utils import (  # noqa: E402
     check_against_hf,
     hf_greedy,
@@ -23,7 +22,9 @@ from model_utils import (  # noqa: E402
     shared_prefix_waves,
     tiny_models,
 )
-from conftest import record_preemptions  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
 POLICIES = ["prefill_first", "mixed", "spyre"]
 NEW = 12
@@ -138,7 +139,9 @@ def test_spyre_finishes_a_decoding_request_a_later_prompt_would_have_preempted(t
     results = {}
     for step in range(1000):
         if step == 92:
-            late = engine.add_request(list(range(20, 100)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+            late = engine.add_request(
+                list(range(20, 100)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+            )
         results.update((r["request_id"], r) for r in engine.step())
         if step > 92 and not engine.has_unfinished_requests():
             break

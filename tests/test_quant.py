@@ -13,17 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from atom_core.layers.gemm import gemv_ops  # noqa: E402
 from conftest import require_kernel  # noqa: E402
-
 from safetensors.torch import save_file  # noqa: E402
 
 from atom_core import Config, SamplingParams  # noqa: E402
-from atom_core.loading.gguf.blocks import _quantized_weight, write_gguf_blocks  # noqa: E402
-from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import quantized_gemm  # noqa: E402
-from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
 from atom_core.layers.embedding import QuantizedEmbedding  # noqa: E402
+from atom_core.layers.gemm import gemv_ops  # noqa: E402
+from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
 from atom_core.layers.quantized_gemm import (  # noqa: E402
     ExactTopLogits,
     Int4PackGemm,
@@ -32,9 +30,13 @@ from atom_core.layers.quantized_gemm import (  # noqa: E402
     quantized_linear,
 )
 from atom_core.layers.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
-from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
+from atom_core.loading.gguf.blocks import (  # noqa: E402
+    _quantized_weight,
+    load_blocks,  # noqa: E402
+    write_gguf_blocks,
+)
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 ROWS = (1, 3, 64, 700)
@@ -203,7 +205,9 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     sc = np.clip(np.rint(step / np.maximum(d.astype(np.float64), 1e-12)[..., None]), 1, 63).astype(np.uint8)
     mn = np.clip(np.rint(-low / np.maximum(dmin.astype(np.float64), 1e-12)[..., None]), 0, 63).astype(np.uint8)
     scale = d.astype(np.float64)[..., None] * sc
-    q = np.clip(np.rint((g + (dmin.astype(np.float64)[..., None] * mn)[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((g + (dmin.astype(np.float64)[..., None] * mn)[..., None]) / scale[..., None]), 0, 15).astype(
+        np.uint8
+    )
     packed = np.zeros((n, k // 256, 12), np.uint8)  # get_scale_min's layout, inverted
     packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     packed[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
@@ -449,7 +453,10 @@ def test_a_fused_layer_of_q4_0_and_q8_0_shards_goes_to_8_bits_exactly(tmp_path, 
         engine = LLMEngine(folder, **kw)
     assert "requantized" not in caplog.text and "kept 12 Q4_0, 3 Q8_0" in caplog.text, caplog.text
     attn = engine.runner.model.model.layers[0].self_attn
-    assert attn.qkv_proj.packed_weight.bits == 8 and engine.runner.model.model.layers[0].mlp.down_proj.packed_weight.bits == 4
+    assert (
+        attn.qkv_proj.packed_weight.bits == 8
+        and engine.runner.model.model.layers[0].mlp.down_proj.packed_weight.bits == 4
+    )
     _, state = load_gguf(path)
     qkv = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     kernel = attn.qkv_proj.packed_weight

@@ -43,9 +43,9 @@ def test_model_is_what_the_parity_is_about(tiny):
     assert len(runner.attn_builders["gdn"].layers) == 3 and len(runner.attn_builders["mha"].layers) == 1
     assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert len(hf.config.rope_parameters["mrope_section"]) == 3  # rope as the real configs write it
-    from atom_models.qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5MoeSparseMoeBlock
-    from atom_models.llama import LlamaMLP
     from atom_core.runner.direct_calls import plain_type
+    from atom_models.llama import LlamaMLP
+    from atom_models.qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5MoeSparseMoeBlock
 
     layers = runner.model.model.layers
     assert [isinstance(getattr(la, "linear_attn", None), Qwen3_5GatedDeltaNet) for la in layers] == [True] * 3 + [False]

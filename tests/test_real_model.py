@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 
 from atom_core import SamplingParams  # noqa: E402
@@ -46,9 +47,16 @@ def hf_greedy_32(prompts, hf_model):
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out.append(hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt) :].tolist())
+        out.append(
+            hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        )
     return out
 
 
@@ -70,8 +78,13 @@ def test_penalised_greedy_requests_read_whole_logits_and_equal_transformers(engi
     for prompt, r in zip(prompts, results):
         ids = torch.tensor([prompt])
         expected = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, repetition_penalty=1.6,
-            eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            repetition_penalty=1.6,
+            eos_token_id=None,
+            pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert r["token_ids"] == expected
 
@@ -81,8 +94,13 @@ def test_every_policy_gives_the_same_greedy_tokens(prompts, hf_greedy_32, policy
     """A 32-token budget chunks every chat prompt; `mixed` adds later prompts' chunks to
     earlier ones' decode steps, `spyre` pads every step."""
     engine = LLMEngine(
-        fetch_default_model(quiet=True), dtype="float32", max_model_len=512, scheduling_policy=policy,
-        max_num_batched_tokens=32, enable_prefix_caching=True, quantization="none",
+        fetch_default_model(quiet=True),
+        dtype="float32",
+        max_model_len=512,
+        scheduling_policy=policy,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        quantization="none",
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ids = []
@@ -133,7 +151,9 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
     assert 0 < ref_logits[first["token_ids"][0]] - ref_logits[runner_up] < 0.1  # the near tie
     assert logits.argmax() == ref_logits.argmax() and logits.topk(2).indices[1] == runner_up
 
-    answer = default.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=64), False)
+    answer = default.chat(
+        [{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=64), False
+    )
     assert answer[0]["text"] == "The capital of France is Paris."
 
 
@@ -141,7 +161,7 @@ def test_stop_string_ends_the_request_and_trims_the_text(engine, prompts):
     params = SamplingParams(temperature=0, max_tokens=64, stop_strings=["Paris"])
     r = engine.generate(prompts[0], params, use_tqdm=False)[0]
     assert (r["finish_reason"], r["text"]) == ("stop", "The capital of France is ")
-    assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_plan.num_blocks
 
 
 def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engine):
@@ -189,7 +209,9 @@ def test_cli_runs_as_a_module():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "atom_core.engine.cli", "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "atom_core.engine.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "generate" in done.stdout
 
@@ -199,12 +221,17 @@ def test_ngram_speculation_gives_the_same_greedy_tokens(prompts, hf_greedy_32):
     most drafts are accepted."""
     spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
     engine = LLMEngine(
-        fetch_default_model(quiet=True), dtype="float32", max_model_len=512, quantization="none",
+        fetch_default_model(quiet=True),
+        dtype="float32",
+        max_model_len=512,
+        quantization="none",
         speculative_config=spec,
     )
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     assert [r["token_ids"] for r in engine.generate(prompts, params, use_tqdm=False)] == hf_greedy_32
-    passage = "The old lighthouse stood at the edge of the cliff for more than a century, warning ships away from the rocks."
+    passage = (
+        "The old lighthouse stood at the edge of the cliff for more than a century, warning ships away from the rocks."
+    )
     copy = engine.apply_chat_template([{"role": "user", "content": f"Repeat this sentence exactly: {passage}"}])
     before = engine.get_spec_stats()["num_accepted_tokens"]
     [r] = engine.generate([copy], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_core.runner.sampler import Sampler, SamplingMetadata, _mix, processed_probs  # noqa: E402
+from atom_core.runner.sampler import Sampler, SamplingMetadata, processed_probs, seed_for_step  # noqa: E402
 from atom_spec import rejection  # noqa: E402
 from atom_spec.rejection import RejectionSampler  # noqa: E402
 
@@ -347,8 +347,13 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
             all_logits.insert(place, logits)
             batch_drafts = filler_drafts[:place] + [drafts] + filler_drafts[place:]
             batch_q = filler_q[:place] + [q] + filler_q[place:]
-            others = dict(temperatures=[1.0, 0.0, 0.7], top_ks=[-1, -1, 5], top_ps=[1.0, 1.0, 0.8],
-                          seeds=[None, None, 123], steps=[0, 4, 9])
+            others = dict(
+                temperatures=[1.0, 0.0, 0.7],
+                top_ks=[-1, -1, 5],
+                top_ps=[1.0, 1.0, 0.8],
+                seeds=[None, None, 123],
+                steps=[0, 4, 9],
+            )
             batch_meta = meta(4, **{k: v[:place] + [settings[k]] + v[place:] for k, v in others.items()})
             # A different global seed too: the seeded request must not depend on it.
             sampler = RejectionSampler(type("Cfg", (), {"seed": 99, "device": "cpu"})())
@@ -370,7 +375,7 @@ def test_a_seeded_request_depends_on_its_step():
 
 def test_a_seeded_position_draws_its_uniform_then_its_noise_from_the_token_index_stream():
     """The documented layout, worked by hand: position j of a request at step s uses a
-    generator seeded with _mix(seed, s + j), first the acceptance uniform (draft positions
+    generator seeded with seed_for_step(seed, s + j), first the acceptance uniform (draft positions
     only), then the race's noise, so the two are never the same numbers."""
     V, seen = 20, set()
     for seed in range(30):
@@ -379,10 +384,10 @@ def test_a_seeded_position_draws_its_uniform_then_its_noise_from_the_token_index
         d = int(logits[0].argmax()) if seed % 2 else int(torch.randint(0, V, (), generator=g))
         out = RejectionSampler()(logits, [[d]], [None], meta(1, seeds=seed, steps=5))[0]
         p = logits.softmax(dim=-1)
-        row = torch.Generator().manual_seed(_mix(seed, 5))
+        row = torch.Generator().manual_seed(seed_for_step(seed, 5))
         u = torch.rand((), generator=row)
         if u < p[0, d]:  # accepted; the bonus position has no uniform
-            row.manual_seed(_mix(seed, 6))
+            row.manual_seed(seed_for_step(seed, 6))
             expected = [d, int((p[1] / torch.empty(V).exponential_(generator=row)).argmax())]
         else:
             residual = p[0].clone()

@@ -1,6 +1,7 @@
 import queue
 
 import pytest
+from conftest import is_prefill, make_scheduler, make_seq
 
 from atom_core import (
     BlockManager,
@@ -13,7 +14,6 @@ from atom_core import (
     SequenceType,
     SpeculativeConfig,
 )
-from conftest import is_prefill, make_scheduler, make_seq
 
 
 def step(sched: Scheduler, token: int | dict = 1, q=None):
@@ -234,12 +234,21 @@ def test_stop_conditions_and_their_order():
     }
     for s in seqs.values():
         sched.add(s)
-    step(sched, {seqs["eos"].id: (7,), seqs["stop_5"].id: (7,), seqs["stop_sequence"].id: (9,),
-                 seqs["max_tokens"].id: (2,), seqs["ignored"].id: (2,)})
+    step(
+        sched,
+        {
+            seqs["eos"].id: (7,),
+            seqs["stop_5"].id: (7,),
+            seqs["stop_sequence"].id: (9,),
+            seqs["max_tokens"].id: (2,),
+            seqs["ignored"].id: (2,),
+        },
+    )
     # max_tokens=1 with EOS sampled: EOS is checked first.
     assert seqs["max_tokens"].leave_reason == "eos"
-    batch, finished = step(sched, {seqs["eos"].id: (2,), seqs["stop_5"].id: (7,),
-                                   seqs["stop_sequence"].id: (2,), seqs["ignored"].id: (2,)})
+    batch, finished = step(
+        sched, {seqs["eos"].id: (2,), seqs["stop_5"].id: (7,), seqs["stop_sequence"].id: (2,), seqs["ignored"].id: (2,)}
+    )
     assert seqs["eos"].leave_reason == "eos"
     assert seqs["stop_sequence"].leave_reason == "stop_sequence"  # [9, 2] beats EOS
     assert seqs["stop_5"].status == SequenceStatus.RUNNING
@@ -457,9 +466,19 @@ class AtomStyleConfig:
 
     def __init__(self, **overrides):
         fields = dict(
-            kv_cache_block_size=4, num_kvcache_blocks=10, enable_prefix_caching=False, enable_chunked_prefill=True,
-            max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=0, max_model_len=64,
-            bos_token_id=1, eos_token_id=2, stop_token_ids=[], scheduler_delay_factor=0.0, speculative_config=None,
+            kv_cache_block_size=4,
+            num_kvcache_blocks=10,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=True,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=0,
+            max_model_len=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            stop_token_ids=[],
+            scheduler_delay_factor=0.0,
+            speculative_config=None,
         )
         for name, value in {**fields, **overrides}.items():
             setattr(self, name, value)
@@ -467,7 +486,10 @@ class AtomStyleConfig:
 
 def test_a_stand_in_config_with_atoms_fields_drives_the_scheduler_as_atom_would():
     sched = Scheduler(AtomStyleConfig())
-    a, b = Sequence([5, 6, 7, 8, 9], 4, SamplingParams(max_tokens=3)), Sequence([5, 6, 7], 4, SamplingParams(max_tokens=2))
+    a, b = (
+        Sequence([5, 6, 7, 8, 9], 4, SamplingParams(max_tokens=3)),
+        Sequence([5, 6, 7], 4, SamplingParams(max_tokens=2)),
+    )
     sched.add(a)
     sched.add(b)
     steps = []

@@ -134,7 +134,7 @@ class Harness:
         batch, seqs = out
         self.check_batch(batch, seqs)
         tokens, drafts = {}, {}
-        for sid, seq in seqs.items():
+        for sid in seqs:
             if not batch.do_sample[batch.req_ids.index(sid)]:
                 continue  # a middle prompt chunk samples nothing
             proposed = batch.scheduled_spec_decode_tokens.get(sid, [])
@@ -157,7 +157,9 @@ class Harness:
         streams = {}
         written = []
         decode_rows = batch.total_seqs_num_decode
-        for row, (sid, n, first) in enumerate(zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)):
+        for row, (sid, n, first) in enumerate(
+            zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)
+        ):
             seq = seqs[sid]
             drafts = batch.scheduled_spec_decode_tokens.get(sid, [])
             stream = seq.token_ids + drafts
@@ -165,8 +167,9 @@ class Harness:
             end = first + n
             assert end <= len(stream) and batch.context_lens[row] == end
             assert batch.do_sample[row] == (end - len(drafts) == seq.num_tokens)
-            assert (row < decode_rows) == (n == 1 + len(drafts) and end - len(drafts) == seq.num_tokens and
-                                           seq.type.name == "DECODE")
+            assert (row < decode_rows) == (
+                n == 1 + len(drafts) and end - len(drafts) == seq.num_tokens and seq.type.name == "DECODE"
+            )
             streams[sid] = (seq, stream[:end], hashes)
             assert len(seq.block_table) * self.bs >= end, "KV slots missing"
             for p in range(first, end):
@@ -199,7 +202,9 @@ class Harness:
         assert all(store.first_slot <= s < store.first_slot + store.num_slots for s in saved + list(loads.values()))
         new = {}
         groups = iter(batch.per_req_cache_groups)
-        for row, (sid, n, first) in enumerate(zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)):
+        for row, (sid, n, first) in enumerate(
+            zip(batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens)
+        ):
             seq = seqs[sid]
             if not seq.has_per_req_cache:
                 assert row not in loads and row not in saves
@@ -307,8 +312,14 @@ def test_heavy_preemption_with_shared_prefixes():
     for seed in range(12):
         rng = random.Random(seed)
         cfg = {
-            "block_size": 16, "num_blocks": 8, "enable_prefix_caching": seed % 2 == 0, "max_num_seqs": 8,
-            "max_num_batched_tokens": 256, "groups": 0, "k": seed % 3, "max_model_len": None,
+            "block_size": 16,
+            "num_blocks": 8,
+            "enable_prefix_caching": seed % 2 == 0,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 256,
+            "groups": 0,
+            "k": seed % 3,
+            "max_model_len": None,
         }
         h = Harness(cfg)
         base = [rng.randint(1, 29) for _ in range(40)]
@@ -339,9 +350,18 @@ def test_state_checkpoints_under_shared_prefixes():
         rng = random.Random(seed)
         policy = ["prefill_first", "mixed", "spyre"][seed % 3]
         cfg = {
-            "block_size": 16, "num_blocks": 14 + seed % 3 * 6, "enable_prefix_caching": True, "max_num_seqs": 4,
-            "max_num_batched_tokens": [48, 256, 32][seed % 3], "groups": 3, "checkpoints": 1 + seed % 4, "k": 0,
-            "max_model_len": None, "policy": policy, "chunked": seed % 2 == 0, "threshold": 0,
+            "block_size": 16,
+            "num_blocks": 14 + seed % 3 * 6,
+            "enable_prefix_caching": True,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": [48, 256, 32][seed % 3],
+            "groups": 3,
+            "checkpoints": 1 + seed % 4,
+            "k": 0,
+            "max_model_len": None,
+            "policy": policy,
+            "chunked": seed % 2 == 0,
+            "threshold": 0,
         }
         h = Harness(cfg)
         original = h.check_states
@@ -355,7 +375,9 @@ def test_state_checkpoints_under_shared_prefixes():
         bases = [[rng.randint(1, 29) for _ in range(70)] for _ in range(2)]
         for _ in range(40):
             if rng.random() < 0.3:
-                prompt = rng.choice(bases)[: rng.randint(10, 70)] + [rng.randint(1, 29) for _ in range(rng.randint(0, 8))]
+                prompt = rng.choice(bases)[: rng.randint(10, 70)] + [
+                    rng.randint(1, 29) for _ in range(rng.randint(0, 8))
+                ]
                 h.arrive(prompt, rng.randint(1, 20), True, rng.random() < 0.9)
             else:
                 h.step(rng.getrandbits(32))

@@ -40,9 +40,7 @@ def test_empty_prompt_is_rejected():
         Sequence([], 16)
 
 
-@pytest.mark.parametrize(
-    "n, blocks, last", [(1, 1, 1), (15, 1, 15), (16, 1, 16), (17, 2, 1), (32, 2, 16), (33, 3, 1)]
-)
+@pytest.mark.parametrize("n, blocks, last", [(1, 1, 1), (15, 1, 15), (16, 1, 16), (17, 2, 1), (32, 2, 16), (33, 3, 1)])
 def test_num_tokens_setter_keeps_block_counts(n, blocks, last):
     s = Sequence([7], 16)
     s.num_tokens = n

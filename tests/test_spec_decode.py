@@ -6,13 +6,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import require_kernel  # noqa: E402
+from conftest import (
+    record_preemptions,  # noqa: E402
+    require_kernel,  # noqa: E402
+)
+from model_utils import build_tiny_model, random_prompts  # noqa: E402
 
 from atom_core import SamplingParams, hookimpl  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
-from atom_core.sched.speculative import Drafts, Proposer  # noqa: E402
-from conftest import record_preemptions  # noqa: E402
-from model_utils import build_tiny_model, random_prompts  # noqa: E402
+from atom_core.runner.proposer import Drafts, Proposer  # noqa: E402
 
 NEW = 24
 
@@ -35,7 +37,7 @@ def generate(folder, prompts, params=None, **config):
     engine = LLMEngine(folder, dtype="float32", max_model_len=256, **config)
     params = params or SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     out = engine.generate(prompts, params, use_tqdm=False)
-    assert engine.scheduler.block_manager.num_free_blocks == engine.config.num_kvcache_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_plan.num_blocks
     return [r["token_ids"] for r in out], engine
 
 
@@ -50,8 +52,12 @@ def test_ngram_greedy_equals_plain_greedy(llama, plain, k, policy):
     spec = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
     # A small token budget chunks the longer prompts while others decode with drafts.
     tokens, engine = generate(
-        llama, copy_heavy_prompts(), speculative_config=spec, scheduling_policy=policy,
-        max_num_batched_tokens=32, enable_prefix_caching=True,
+        llama,
+        copy_heavy_prompts(),
+        speculative_config=spec,
+        scheduling_policy=policy,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
     )
     assert tokens == plain
     stats = engine.get_spec_stats()
@@ -88,7 +94,9 @@ def test_ngram_under_preemption(llama, plain):
     spec = dict(method="ngram", num_speculative_tokens=3, min_acceptance_rate=0)
     engine = LLMEngine(llama, dtype="float32", max_model_len=128, num_kvcache_blocks=12, speculative_config=spec)
     preempted = record_preemptions(engine.scheduler)
-    out = engine.generate(copy_heavy_prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    out = engine.generate(
+        copy_heavy_prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False
+    )
     assert preempted, "the pool was meant to be too small for every request at once"
     assert [r["token_ids"] for r in out] == plain
     assert engine.scheduler.block_manager.num_free_blocks == 12
@@ -231,7 +239,9 @@ class BadProposers:
         registry.register("oov", OutOfVocabProposer)
 
 
-@pytest.mark.parametrize("method, error", [("short", "returned 0 entries for 1 drafting rows"), ("oov", r"drafted \[1000000\]")])
+@pytest.mark.parametrize(
+    "method, error", [("short", "returned 0 entries for 1 drafting rows"), ("oov", r"drafted \[1000000\]")]
+)
 def test_a_proposer_breaking_its_contract_is_named(llama, oracle, plugin_manager, method, error):
     plugin_manager.register(BadProposers(), name="bad-proposers")
     engine = LLMEngine(
@@ -305,9 +315,7 @@ def test_speculative_config_errors_name_the_problem(llama):
     with pytest.raises(Exception, match="no_such_method"):
         LLMEngine(llama, num_kvcache_blocks=16, speculative_config=dict(method="no_such_method"))
     with pytest.raises(ValueError, match="spyre"):
-        LLMEngine(
-            llama, num_kvcache_blocks=64, scheduling_policy="spyre", speculative_config=dict(method="ngram")
-        )
+        LLMEngine(llama, num_kvcache_blocks=64, scheduling_policy="spyre", speculative_config=dict(method="ngram"))
 
 
 class HalfRightProposer(OracleProposer):
@@ -429,7 +437,9 @@ def test_a_seeded_request_keeps_its_tokens_when_the_budget_is_short(llama):
     step rather than verify fewer drafts (a verified draft draws unlike a plain sample), so
     its tokens are the same alone and batched."""
     folder = llama
-    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, min_acceptance_rate=0)
+    spec = dict(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, min_acceptance_rate=0
+    )
     target = random_prompts((40,), seed=11)[0]
     seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=60, ignore_eos=True)
 
@@ -437,7 +447,9 @@ def test_a_seeded_request_keeps_its_tokens_when_the_budget_is_short(llama):
         engine = LLMEngine(folder, dtype="float32", max_model_len=160, num_kvcache_blocks=80,
                            max_num_batched_tokens=21, speculative_config=spec)  # fmt: skip
         for i in range(others):  # short greedy prompts whose outputs repeat: 4 drafts a step
-            engine.add_request([1, 2, 3, 4, 5][: 2 + i % 4], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+            engine.add_request(
+                [1, 2, 3, 4, 5][: 2 + i % 4], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            )
         rid = engine.add_request(target, seeded)
         results = {}
         while engine.has_unfinished_requests():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import make_seq
 
 from atom_core import Config, ScheduledBatchOutput, Scheduler, SpeculativeConfig
 from atom_core.sched.policies.spyre import batch_tkv_volume
-from conftest import make_seq
 
 BS = 16
 

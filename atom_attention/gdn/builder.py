@@ -24,9 +24,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from atom_core.runner.attention_builder import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
-from atom_core.sched.batch import ScheduledBatch
 from atom_attention.gdn import ops as gdn_ops
+from atom_core.plugin_api import (
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCacheTensor,
+    ScheduledBatch,
+)
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,8 +124,8 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
 
     impl_cls: type | None = GDNImpl
 
-    def __init__(self, runner, layers):
-        super().__init__(runner, layers)
+    def __init__(self, context, layers):
+        super().__init__(context, layers)
         shapes = {(m.conv_dim, m.conv_kernel_size, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in self.layers}
         if len(shapes) != 1:
             raise ValueError(f"GDN layers of one model must share their state shapes; got {sorted(shapes)}")
@@ -154,8 +158,8 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
     def _draft_slot(self, group: int, offset: int) -> int:
         """Slot holding group's state after the first `offset` (1..k) tokens of a draft row:
         past the groups and the checkpoints."""
-        runner, k = self.runner, self.config.num_speculative_tokens
-        return runner.num_per_req_cache_groups + runner.num_state_checkpoints + group * k + offset - 1
+        plan, k = self.plan, self.config.num_speculative_tokens
+        return plan.num_state_groups + plan.num_state_checkpoints + group * k + offset - 1
 
     def commit_speculation(self, batch, num_accepted):
         spec = batch.scheduled_spec_decode_tokens
@@ -196,8 +200,7 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
         num_q = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         if len(slots) != len(num_q) or (slots < 0).any():
             raise RuntimeError(
-                f"every GDN request needs a per-request state group; got groups {slots.tolist()} "
-                f"for {len(num_q)} rows"
+                f"every GDN request needs a per-request state group; got groups {slots.tolist()} for {len(num_q)} rows"
             )
         first = np.asarray(batch.num_computed_tokens, dtype=np.int64)
         cu = meta.query_start_loc_cpu

@@ -329,9 +329,7 @@ def causal_conv1d_update(
     return y.to(x.dtype)
 
 
-def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim, then ``* silu(z)`` (Qwen3NextRMSNormGated, norm before gate).
 
     Computed in float32; the normalised value is rounded to ``x.dtype`` before the weight,

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from atom_core.runner.attention_builder import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
-from atom_core.platform.memory import empty_resident
-from atom_core.sched.batch import ScheduledBatch
 from atom_attention import cpu_kernels
 from atom_attention.mha.cpu_paged import CpuPagedAttention
 from atom_attention.mha.torch_paged import TorchPagedAttention
+from atom_core.plugin_api import (
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCacheTensor,
+    ScheduledBatch,
+    empty_resident,
+)
 
 
 def default_impl_cls(device: torch.device) -> type:
@@ -27,8 +31,8 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
 
     impl_cls: type | None = None  # None: `default_impl_cls(device)`
 
-    def __init__(self, runner, layers):
-        super().__init__(runner, layers)
+    def __init__(self, context, layers):
+        super().__init__(context, layers)
         shapes = {(m.num_kv_heads, m.head_dim) for m in self.layers}
         if len(shapes) != 1:
             raise ValueError(f"MHA layers of one model must share (kv_heads, head_dim); got {sorted(shapes)}")
@@ -41,7 +45,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
 
     def allocate_kv_cache_tensors(self, num_kv_heads, num_draft_layers):
         # One block past the pool stays zero: decode chunks pad with it (vLLM's null block).
-        self.null_block = self.runner.num_kvcache_blocks
+        self.null_block = self.plan.num_blocks
         shape = (
             2,
             len(self.layers) + num_draft_layers,

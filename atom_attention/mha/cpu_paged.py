@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from atom_core.runner.attention_builder import AttentionMetadata
 from atom_attention import cpu_kernels
 from atom_attention.mha.torch_paged import TorchPagedAttention
+from atom_core.plugin_api import AttentionMetadata
 
 # Up to this many new tokens a request, the kernel walks the keys once per token (as in
 # csrc/, kShortQuery); longer runs are tiled, or go to torch's fused attention.

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from atom_core.runner.attention_builder import AttentionMetadata
+from atom_core.plugin_api import AttentionMetadata
 
 # Decode chunks hold at most this many blocks; the size is picked per step.
 MAX_CHUNK_BLOCKS = 16

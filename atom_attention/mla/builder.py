@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from atom_core.runner.attention_builder import AttentionMetadata, AttentionMetadataBuilder, KVCacheTensor
-from atom_core.platform.memory import empty_resident
-from atom_core.sched.batch import ScheduledBatch
 from atom_attention import cpu_kernels
 from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
+from atom_core.plugin_api import (
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCacheTensor,
+    ScheduledBatch,
+    empty_resident,
+)
 
 
 def default_impl_cls(device: torch.device) -> type:
@@ -28,8 +32,8 @@ def default_impl_cls(device: torch.device) -> type:
 class MLAMetadataBuilder(AttentionMetadataBuilder):
     impl_cls: type | None = None  # None: `default_impl_cls(device)`
 
-    def __init__(self, runner, layers):
-        super().__init__(runner, layers)
+    def __init__(self, context, layers):
+        super().__init__(context, layers)
         dims = {m.latent_dim for m in self.layers}
         if len(dims) != 1:
             raise ValueError(f"MLA layers of one model must share the latent width; got {sorted(dims)}")
@@ -41,7 +45,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         return len(self.layers) * self.block_size * self.latent_dim * self.dtype.itemsize
 
     def allocate_kv_cache_tensors(self, num_kv_heads, num_draft_layers):
-        self.null_block = self.runner.num_kvcache_blocks
+        self.null_block = self.plan.num_blocks
         shape = (len(self.layers) + num_draft_layers, self.null_block + 1, self.block_size, self.latent_dim)
         self.kv_cache = empty_resident(shape, self.dtype, self.device)
         self.kv_cache[:, self.null_block].zero_()

@@ -19,9 +19,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from atom_core.runner.attention_builder import AttentionMetadata
 from atom_attention import cpu_kernels
-from atom_attention.mha.torch_paged import PER_REQUEST_DECODE_MAX, decode_chunks, rectangular_masks
+from atom_attention.mha.torch_paged import (
+    PER_REQUEST_DECODE_MAX,
+    decode_chunks,
+    rectangular_masks,
+)
+from atom_core.plugin_api import AttentionMetadata
 
 # Up to this many new tokens per request, the C++ kernel serves the row, absorbed.
 KERNEL_MAX_QUERY_LEN = 8
@@ -137,7 +141,11 @@ class TorchMLAAttention:
         qp = q.new_zeros((num_reqs, meta.max_seqlen_q, q.shape[1], dim))
         qp[tok_req, tok_idx] = q
         o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), rows, rows[..., : layer.kv_lora_rank], attn_mask=x["rect_mask"], scale=layer.scale,
+            qp.transpose(1, 2),
+            rows,
+            rows[..., : layer.kv_lora_rank],
+            attn_mask=x["rect_mask"],
+            scale=layer.scale,
             enable_gqa=True,
         )  # [R, heads, Qmax, rank]
         return o.transpose(1, 2)[tok_req, tok_idx]
@@ -149,8 +157,12 @@ def attend_latent(q: torch.Tensor, lat: torch.Tensor, rank: int, mask, scale: fl
         w = torch.matmul(q[0], lat.t()).float().mul_(scale).softmax(dim=-1)  # [heads, L]
         return torch.matmul(w.to(lat.dtype), lat[:, :rank])[None]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], lat[None, None], lat[None, None, :, :rank],
-        attn_mask=mask, scale=scale, enable_gqa=True,
+        q.transpose(0, 1)[None],
+        lat[None, None],
+        lat[None, None, :, :rank],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
     )
     return o[0].transpose(0, 1)
 
@@ -162,8 +174,11 @@ def attend_expanded(layer, q_nope, q_pe, lat: torch.Tensor, mask) -> torch.Tenso
     k = torch.cat((kv[..., :nope], lat[:, None, layer.kv_lora_rank :].expand(L, heads, -1)), dim=-1)
     q = torch.cat((q_nope, q_pe), dim=-1)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
-        attn_mask=mask, scale=layer.scale,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        kv[..., nope:].transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=layer.scale,
     )
     return o[0].transpose(0, 1)
 

@@ -24,7 +24,7 @@ def _json_object(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\"}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f'must be a JSON object such as \'{{"method": "ngram"}}\', got {text!r}')
     return value
 
 
@@ -45,15 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--quantization", default=None, choices=["auto", "none", "int8", "int4"],
-                     help="weights: auto (the default: a GGUF keeps its 4/8-bit blocks), none, int8, int4")
+    gen.add_argument(
+        "--quantization",
+        default=None,
+        choices=["auto", "none", "int8", "int4"],
+        help="weights: auto (the default: a GGUF keeps its 4/8-bit blocks), none, int8, int4",
+    )
     gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's")
+    gen.add_argument(
+        "--scheduling-policy", default=None, help="prefill_first, mixed (the default), spyre, or a plugin's"
+    )
     gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
     gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
     gen.add_argument(
-        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
         help='draft-and-verify decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
 
@@ -63,8 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("plugins", help="list installed plugins and what they register")
     sub.add_parser("env", help="this CPU's features, torch's CPU level, and which variant each C++ kernel runs")
     kernels = sub.add_parser("kernels", help="build the C++ CPU kernels now (scripts/setup.sh runs this)")
-    kernels.add_argument("--variant", action="append", choices=["all", *VARIANT_NAMES], default=None,
-                         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)")
+    kernels.add_argument(
+        "--variant",
+        action="append",
+        choices=["all", *VARIANT_NAMES],
+        default=None,
+        help="a variant to build (repeatable; default: this CPU's; all: every one it can run)",
+    )
 
     args = parser.parse_args(argv)
     try:
@@ -106,8 +120,8 @@ def _env(args: argparse.Namespace) -> int:
 
     import torch
 
-    from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, cpu_features, detect
     from atom_core.layers.cpp import build_all, compiler, kernels_enabled
+    from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, cpu_features, detect
 
     features, host = cpu_features(), detect(isa="")
     shown = sorted({f for v in VARIANTS for f in v.requires} | {"avx_vnni", "avx_ne_convert", "amx_bf16"})
@@ -115,7 +129,9 @@ def _env(args: argparse.Namespace) -> int:
     print(f"features:        {' '.join(f if f in host.flags else '-' + f for f in shown)}")
     capped = f" ({ENV_ISA}={os.environ[ENV_ISA]}; this CPU: {host.variant.name})" if features.capped else ""
     print(f"kernel variant:  {features.variant.name}{capped}; can run: {', '.join(features.variants)}")
-    print(f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else 'no (bfloat16 weights stay bfloat16 in the tiled kernel)'}")
+    print(
+        f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else 'no (bfloat16 weights stay bfloat16 in the tiled kernel)'}"
+    )
     print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     env = [f"{v}={os.environ[v]}" for v in ("ATOM_CPU_ISA", "ATOM_CPU_KERNELS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
@@ -132,8 +148,8 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from atom_core.platform.cpu_features import cpu_features
     from atom_core.layers.cpp import build_all
+    from atom_core.platform.cpu_features import cpu_features
 
     variants = args.variant or [cpu_features().variant.name]
     if "all" in variants:
@@ -152,13 +168,24 @@ def _generate(args: argparse.Namespace) -> int:
 
     options: dict[str, Any] = {"dtype": args.dtype}
     for name in (
-        "max_model_len", "scheduling_policy", "max_num_batched_tokens", "quantization", "speculative_config", "sampler"
+        "max_model_len",
+        "scheduling_policy",
+        "max_num_batched_tokens",
+        "quantization",
+        "speculative_config",
+        "sampler",
     ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     params = SamplingParams(  # bad sampling flags fail before the model loads
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens,
-        seed=args.seed, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
     engine = LLMEngine(args.model, **options)

@@ -10,7 +10,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,9 @@ def resolve_model(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from atom_core.engine.fetch import default_cache_dir
+        from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
         from atom_core.loading.gguf.blocks import write_gguf_blocks
         from atom_core.loading.gguf.convert import gguf_to_hf_folder
-        from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
 
         # Named by the file's full path as well as its size and modification time (in ns):
         # two files of one name, size and copied timestamp (two fine-tunes at one quant type,
@@ -119,16 +120,11 @@ class LLMEngine:
             from atom_core.layers.cpp import summary
 
             logger.info("atom: %s", summary())
-        self.config = attrs.evolve(
-            config,
-            num_kvcache_blocks=self.runner.num_kvcache_blocks,
-            num_per_req_cache_groups=self.runner.num_per_req_cache_groups,
-            per_req_cache_equiv_blocks=self.runner.per_req_cache_equiv_blocks,
-            gdn_checkpoint_slots=self.runner.num_state_checkpoints,  # what was allocated: 0 without state
-        )
+        self.config = config  # as the user set it; what the runner sized is `kv_plan`
+        self.kv_plan = self.runner.kv_plan
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, plan=self.kv_plan)
         if self.tokenizer is not None:
             self.scheduler.stop_string_check = self._hit_stop_string
         self._requests: dict[int, _Request] = {}
@@ -190,9 +186,7 @@ class LLMEngine:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}"
-            )
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
         return [int(t) for t in ids]
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
@@ -235,7 +229,7 @@ class LLMEngine:
             self.config.kv_cache_block_size,
             params,
             stream_callback=callback,
-            has_per_req_cache=self.config.num_per_req_cache_groups > 0,  # stateful attention (GDN)
+            has_per_req_cache=self.kv_plan.num_state_groups > 0,  # stateful attention (GDN)
         )
         self._requests[seq.id] = _Request(seq, prompt)
         self.scheduler.add(seq)

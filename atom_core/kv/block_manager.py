@@ -17,8 +17,9 @@ import numpy as np
 import xxhash
 
 from atom_core.config import Config, as_config
-from atom_core.sequence import Sequence, SequenceType
+from atom_core.kv.layout import KVPoolPlan
 from atom_core.kv.state_checkpoints import StateCheckpoints
+from atom_core.sequence import Sequence, SequenceType
 
 
 class Block:
@@ -44,15 +45,24 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, plan: KVPoolPlan | None = None):
+        """`plan`: the pool a model runner planned (`KVPoolPlan`); without one, the counts are
+        `config`'s (`num_kvcache_blocks`, `num_per_req_cache_groups`, `gdn_checkpoint_slots`),
+        which is how a BlockManager runs on its own."""
         config = as_config(config)  # a stand-in with ATOM's fields works too
-        if config.num_kvcache_blocks is None:
-            raise ValueError(
-                "num_kvcache_blocks is None: a model runner sizes the KV pool from memory; "
-                "set Config(num_kvcache_blocks=N) to use the BlockManager on its own"
-            )
-        self.block_size = config.kv_cache_block_size
-        self.num_blocks = config.num_kvcache_blocks
+        if plan is None:
+            if config.num_kvcache_blocks is None:
+                raise ValueError(
+                    "num_kvcache_blocks is None: a model runner sizes the KV pool from memory; "
+                    "set Config(num_kvcache_blocks=N) to use the BlockManager on its own"
+                )
+            plan = KVPoolPlan(
+                num_blocks=config.num_kvcache_blocks, block_size=config.kv_cache_block_size,
+                num_state_groups=config.num_per_req_cache_groups,
+                num_state_checkpoints=config.gdn_checkpoint_slots if config.num_per_req_cache_groups else 0,
+            )  # fmt: skip
+        self.block_size = plan.block_size
+        self.num_blocks = plan.num_blocks
         self.blocks: list[Block] = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(self.num_blocks))
@@ -60,11 +70,11 @@ class BlockManager:
         self.reserved_block_ids: set[int] = set()
         self.enable_prefix_caching = config.enable_prefix_caching
         self.num_lookahead_slots = config.num_speculative_tokens
-        self.num_per_req_cache_groups = config.num_per_req_cache_groups
+        self.num_per_req_cache_groups = plan.num_state_groups
         self.per_req_cache_free_groups: deque[int] = deque(range(self.num_per_req_cache_groups))
         self.per_req_cache_used_groups: set[int] = set()
         # State checkpoints take the slots after the groups; only prefix caching uses them.
-        num_checkpoints = config.gdn_checkpoint_slots if self.enable_prefix_caching else 0
+        num_checkpoints = plan.num_state_checkpoints if self.enable_prefix_caching else 0
         self.state_checkpoints: StateCheckpoints | None = (
             StateCheckpoints(self.num_per_req_cache_groups, num_checkpoints)
             if num_checkpoints and self.num_per_req_cache_groups

@@ -26,8 +26,8 @@ import re
 import shutil
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -134,7 +134,9 @@ class CppKernel:
             except (OSError, ValueError):
                 record = {}
             if record.get("key") == self._key(variant_name, cxx):
-                return self._unavailable(variant_name, f"{record.get('reason')} (an earlier build; see {build_dir / LOG_FILE})")
+                return self._unavailable(
+                    variant_name, f"{record.get('reason')} (an earlier build; see {build_dir / LOG_FILE})"
+                )
             failed.unlink(missing_ok=True)  # something it depended on changed: try again
         try:
             from torch.utils import cpp_extension
@@ -162,7 +164,9 @@ class CppKernel:
 
     def _unavailable(self, variant_name: str, why: str) -> None:
         self._why[variant_name] = why
-        logger.warning("atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why)
+        logger.warning(
+            "atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why
+        )
         return None
 
 
@@ -207,7 +211,9 @@ def declared_kernels() -> dict[str, CppKernel]:
     return {name: registry.get(name) for name in registry.names()}
 
 
-def build_all(variants: Sequence[str | None] = (None,), kernels: list[CppKernel] | None = None) -> dict[str, dict[str, str]]:
+def build_all(
+    variants: Sequence[str | None] = (None,), kernels: list[CppKernel] | None = None
+) -> dict[str, dict[str, str]]:
     """Build (or load from the cache) every declared kernel in each of `variants` (None: this
     CPU's), one build per core at a time; returns each variant's kernels' status."""
     kernels = list(declared_kernels().values()) if kernels is None else kernels
@@ -228,10 +234,23 @@ def summary() -> str:
     parts = ", ".join(f"{k.name.removeprefix('atom_')} {k.status()}" for k in kernels)
     return (
         f"{features.summary()}; torch {torch.backends.cpu.get_cpu_capability()}"
-        + (f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if os.environ.get("ATEN_CPU_CAPABILITY") else "")
+        + (
+            f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})"
+            if os.environ.get("ATEN_CPU_CAPABILITY")
+            else ""
+        )
         + (f"; oneDNN capped at {os.environ['ONEDNN_MAX_CPU_ISA']}" if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")
         + (f"; {parts}" if parts else "")
     )
 
 
-__all__ = ["CppKernel", "VARIANT_NAMES", "build_all", "compiled_op", "compiler", "declared_kernels", "kernels_enabled", "summary"]
+__all__ = [
+    "CppKernel",
+    "VARIANT_NAMES",
+    "build_all",
+    "compiled_op",
+    "compiler",
+    "declared_kernels",
+    "kernels_enabled",
+    "summary",
+]

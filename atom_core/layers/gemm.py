@@ -21,7 +21,6 @@ from atom_core.layers.cpp import CppKernel, compiled_op
 from atom_core.platform.cpu_features import cpu_features
 from atom_core.platform.memory import resident
 
-
 Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 

@@ -163,7 +163,9 @@ class MergedLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         offset, size = self.shard_offsets[shard]
         if loaded.shape[0] != size:
-            raise ValueError(f"shard {shard!r} expects {size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shard {shard!r} expects {size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
+            )
         param.data[offset : offset + size].copy_(loaded)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.platform.cpu_features import cpu_features
 from atom_core.layers.cpp import CppKernel
-from atom_core.layers.gemm import pick_gemm, StreamingGemm
+from atom_core.layers.gemm import StreamingGemm, pick_gemm
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
+from atom_core.platform.cpu_features import cpu_features
 
 __all__ = ["FusedMoE", "ExpertNameMapper", "ROUTERS", "register_router", "select_experts"]
 
@@ -159,7 +159,9 @@ class FusedMoE(nn.Module):
         if self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
             # oneDNN has no bfloat16 kernels here (no AVX-512): each expert's own streaming
             # kernel, which keeps the weights in bfloat16 (`pick_gemm`), where it builds
-            gemms = [(pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)]
+            gemms = [
+                (pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)
+            ]
             if all(isinstance(g[0], StreamingGemm) for pair in gemms for g in pair):
                 self.expert_gemms = gemms
                 self.w13 = self.w2 = None
@@ -179,7 +181,9 @@ class FusedMoE(nn.Module):
         weights = topk_weights.reshape(-1).to(torch.float32)
         if self.packed is not None:  # each token's weighted rows come back summed (in float32)
             x = hidden.to(self.packed[0].dtype).contiguous()
-            out = moe_ops().experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
+            out = moe_ops().experts_forward(
+                x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size
+            )
             return out.to(hidden.dtype)
         token_of = order // k
         x = hidden.index_select(0, token_of)

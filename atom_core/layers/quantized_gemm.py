@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from atom_core.layers.cpp import compiled_op
 from atom_core.layers.gemm import gemv_ops, pick_gemm
 from atom_core.layers.ops import near_max
-from atom_core.layers.quantized_weight import KERNEL_DTYPE, INT4_GROUP_SIZES, QuantizedWeight
+from atom_core.layers.quantized_weight import INT4_GROUP_SIZES, KERNEL_DTYPE, QuantizedWeight
 from atom_core.platform.memory import resident
 
 logger = logging.getLogger("atom")

@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-
 logger = logging.getLogger("atom")
 
 # Activations the torch CPU kernels take (and the precision their scales are held in).
@@ -144,5 +143,3 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
 
 
 # --- which layers get what -----------------------------------------------------------------
-
-

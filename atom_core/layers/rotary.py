@@ -89,7 +89,13 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, looked up per token."""
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, inv_freq_scaler=None, params=None, scaling: float = 1.0,
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        inv_freq_scaler=None,
+        params=None,
+        scaling: float = 1.0,
         freq_factors: list[float] | None = None,
     ):
         super().__init__()
@@ -123,6 +129,11 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbeddin
     if kind == "yarn" and p.get("factor") is None:  # DeepSeek-V3 style: implied by the two lengths
         p["factor"] = hf_config.max_position_embeddings / p["original_max_position_embeddings"]
     return RotaryEmbedding(
-        head_dim, max_position, float(p["rope_theta"]), INV_FREQ_SCALERS[kind], p, scaling=attention_factor(p),
+        head_dim,
+        max_position,
+        float(p["rope_theta"]),
+        INV_FREQ_SCALERS[kind],
+        p,
+        scaling=attention_factor(p),
         freq_factors=getattr(hf_config, "rope_freq_factors", None),
     )

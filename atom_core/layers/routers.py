@@ -147,10 +147,14 @@ def noaux_tc(
     its two best biased scores) but the weights are the unbiased scores, renormalised (with
     `norm_topk_prob`) and times `routed_scaling_factor`. No groups given means one group."""
     num_experts = logits.shape[-1]
-    n_group, keep = (1, 1) if num_expert_group is None else _groups(num_experts, num_expert_group, topk_group, "noaux_tc")
+    n_group, keep = (
+        (1, 1) if num_expert_group is None else _groups(num_experts, num_expert_group, topk_group, "noaux_tc")
+    )
     scores = logits.to(torch.float32).sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
-    group_scores = choice.view(-1, n_group, num_experts // n_group).topk(min(2, num_experts // n_group), dim=-1)[0].sum(-1)
+    group_scores = (
+        choice.view(-1, n_group, num_experts // n_group).topk(min(2, num_experts // n_group), dim=-1)[0].sum(-1)
+    )
     choice = choice.masked_fill(~_group_mask(group_scores, keep, num_experts), float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)

@@ -44,15 +44,26 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(
         "avx512_bf16",
         _AVX512 | {"avx512_bf16", "avx512_vnni"},
-        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-         "-mavx512vnni"),
-        "avx512", "AVX512_CORE_BF16",
+        (
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-mavx512vnni",
+        ),
+        "avx512",
+        "AVX512_CORE_BF16",
     ),  # fmt: skip
     Variant(
         "avx512",
         _AVX512,
         ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-        "avx512", "AVX512_CORE",
+        "avx512",
+        "AVX512_CORE",
     ),
     Variant("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c"), "avx2", "AVX2"),
     # compiles anywhere (aarch64 included): generic vectors the compiler maps to what it has

@@ -180,3 +180,30 @@ def _stop_populating() -> None:
     for thread, _ in _populating:
         thread.join()
     _populating.clear()
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Stop glibc from returning large freed blocks to the OS after every op.
+
+    Each decode step allocates and frees the same multi-megabyte temporaries; by default
+    glibc unmaps them and the next step page-faults them back in, which cost more than
+    the arithmetic (vLLM's CPU backend preloads tcmalloc for the same reason).
+    """
+    if sys.platform != "linux" or os.environ.get("ATOM_KEEP_MALLOC_DEFAULTS"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")

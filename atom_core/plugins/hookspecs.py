@@ -1,56 +1,78 @@
-"""The hooks a plugin implements. Each hands the plugin a registry to add names to.
+"""The hooks a plugin implements, each named `atom_register_*`.
 
-A plugin is any module or object with functions marked `@atom_core.hookimpl`,
-published under the entry-point group "atom" (see README, "Writing a plugin").
+Every hook is called with a `PluginRegistry` each time Atom builds that kind's registry
+(`get_registry(kind)`: when an engine starts, when a scheduler looks its policy up, when
+`atom plugins` lists what is installed), so it must only register names: cheap, no I/O, no
+torch. A hook returns nothing. A plugin is any module or object with functions marked
+`@hookimpl` (import it from `atom_core.plugin_api`), published under the entry-point
+group "atom"; see docs/plugins.md.
 """
 
 from __future__ import annotations
 
 import pluggy
 
+from atom_core.plugins.registry import PluginRegistry
+
 hookspec = pluggy.HookspecMarker("atom")
 hookimpl = pluggy.HookimplMarker("atom")
 
 
 @hookspec
-def atom_register_models(registry):
-    """Register model classes by HF `architectures` name, e.g.
-    `registry.register("LlamaForCausalLM", "my_pkg.llama:LlamaForCausalLM")`."""
+def atom_register_models(registry: PluginRegistry) -> None:
+    """Register model classes by the checkpoint's `architectures` name, e.g.
+    `registry.register("LlamaForCausalLM", "my_pkg.llama:LlamaForCausalLM")`.
+
+    Asked when an engine loads a checkpoint; the class is built as `cls(hf_config, config)`."""
 
 
 @hookspec
-def atom_register_attention_builders(registry):
-    """Register AttentionMetadataBuilder classes by attention type ("mha", "mla", "gdn", ...)."""
+def atom_register_attention_builders(registry: PluginRegistry) -> None:
+    """Register `AttentionMetadataBuilder` subclasses by attention type ("mha", "mla", "gdn", ...).
+
+    Asked when a model runner starts: each attention layer's `attn_type` picks one, built as
+    `cls(BuilderContext, layers)`."""
 
 
 @hookspec
-def atom_register_samplers(registry):
-    """Register samplers by name ("default", ...)."""
+def atom_register_samplers(registry: PluginRegistry) -> None:
+    """Register samplers (and speculative-decoding verifiers) by name ("default", "rejection", ...).
+
+    Asked when a model runner starts (`Config.sampler`, `SpeculativeConfig.verifier`); built as
+    `cls(config)`, called as `sampler(logits, SamplingMetadata)` -> one token id per row."""
 
 
 @hookspec
-def atom_register_proposers(registry):
-    """Register speculative-decoding proposers by method name ("eagle", "mtp", "ngram", ...)."""
+def atom_register_proposers(registry: PluginRegistry) -> None:
+    """Register speculative-decoding proposers by method name ("ngram", "mtp", "eagle3", ...).
+
+    Asked when a model runner starts with a `speculative_config`; built as
+    `cls(ProposerContext, spec_config)`."""
 
 
 @hookspec
-def atom_register_scheduler_policies(registry):
-    """Register scheduling policies (`atom_core.sched.policy.SchedulingPolicy` subclasses) by name,
-    picked with `Config.scheduling_policy` ("prefill_first", "mixed", "spyre", ...)."""
+def atom_register_scheduler_policies(registry: PluginRegistry) -> None:
+    """Register `SchedulingPolicy` subclasses by name ("prefill_first", "mixed", "spyre", ...).
+
+    Asked when a scheduler starts (`Config.scheduling_policy`) and when a model runner sizes
+    the pool (a policy's `reserved_blocks`); built as `cls(config)`."""
 
 
 @hookspec
-def atom_register_gguf_architectures(registry):
+def atom_register_gguf_architectures(registry: PluginRegistry) -> None:
     """Register how a GGUF file of one architecture becomes a Hugging Face checkpoint, by the
-    file's `general.architecture` name ("llama", "qwen3", "deepseek2", ...): an instance of
-    `atom_core.loading.gguf.architecture.GGUFArchitecture` (its config keys, tensor names, permuted and fused
-    tensors), e.g. `registry.register("llama", "my_pkg.llama:GGUF_LLAMA")`. The model plugin
-    that runs the architecture is the one that knows how llama.cpp wrote it."""
+    file's `general.architecture` name ("llama", "qwen3", "deepseek2", ...): a
+    `GGUFArchitecture` (its config keys, tensor names, permuted and fused tensors), e.g.
+    `registry.register("llama", "my_pkg.llama:GGUF_LLAMA")`.
+
+    Asked when a GGUF file is converted; the model plugin that runs the architecture is the
+    one that knows how llama.cpp wrote it."""
 
 
 @hookspec
-def atom_register_cpp_kernels(registry):
+def atom_register_cpp_kernels(registry: PluginRegistry) -> None:
     """Register C++ CPU kernels (`atom_core.layers.cpp.CppKernel`) by name, e.g.
-    `registry.register("paged_attention", "my_pkg.kernels:PAGED_ATTENTION")`. Called when
-    `atom env` or `atom kernels` lists or builds them; the kernel itself is built per CPU
-    variant when its plugin first loads it."""
+    `registry.register("paged_attention", "my_pkg.kernels:PAGED_ATTENTION")`.
+
+    Asked when `atom env` or `atom kernels` lists or builds them; the kernel itself is built
+    per CPU variant when its plugin first loads it."""

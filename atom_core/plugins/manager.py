@@ -13,7 +13,7 @@ import warnings
 import pluggy
 
 from atom_core.plugins import hookspecs
-from atom_core.plugins.registry import Registry, _PluginRegistry
+from atom_core.plugins.registry import PluginRegistry, Registry
 
 ENTRY_POINT_GROUP = "atom"
 
@@ -112,7 +112,7 @@ def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
     # Called one plugin at a time so every entry records which plugin made it. A hook
     # that raises takes only its own plugin down, as a failed import does.
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
-        view = _PluginRegistry(registry, impl.plugin_name)
+        view = PluginRegistry(registry, impl.plugin_name)
         try:
             impl.function(**{arg: view for arg in impl.argnames})
         except ValueError:  # a malformed registration: the plugin's bug, named by the message

@@ -101,8 +101,10 @@ class Registry:
         return f"Registry({self.kind}: {', '.join(self.names())})"
 
 
-class _PluginRegistry:
-    """What one plugin's hook sees: `register` stamps the plugin's name on each entry."""
+class PluginRegistry:
+    """What a plugin's hook receives: `register(name, target)` adds one entry, stamped with
+    the plugin's name (shown when two plugins register the same name). `target` is the class
+    or object itself, or a "module:attribute" string imported when the name is first asked for."""
 
     def __init__(self, registry: Registry, plugin: str):
         self._registry = registry

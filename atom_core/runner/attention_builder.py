@@ -1,8 +1,11 @@
 """The attention-builder contract: each attention type owns its KV cache layout.
 
-Following ATOM's PR 659, the model runner never branches on attention type. It asks every
-builder how many bytes one KV block costs, lets each allocate its tensors, and lets each
-bind them to the modules it recognises. A new attention type (MLA, GDN, a ring buffer)
+The model runner never branches on attention type. Each builder declares its cache as a
+`KVLayout` (`kv_layout()`, derived from the sizing hooks AMD ATOM's builders have:
+`compute_block_bytes`, `compute_per_req_cache_bytes`, ...); the runner plans one
+`KVPoolPlan` from all of them, hands it to each builder (`bind_pool`), lets each allocate
+its tensors and bind them to the modules it recognises. A builder is made from a
+`BuilderContext`, not from the runner. A new attention type (MLA, GDN, a ring buffer)
 is a subclass registered through `atom_register_attention_builders`; scheduler, block
 manager and runner stay untouched.
 """
@@ -15,8 +18,26 @@ import attrs
 import numpy as np
 import torch
 
+from atom_core.config import Config
+from atom_core.kv.layout import KVLayout, KVPoolPlan
+
 if TYPE_CHECKING:
     from atom_core.sched.batch import ScheduledBatch
+
+
+@attrs.frozen
+class BuilderContext:
+    """What an attention builder is made from: the settings, the model's config, and where
+    and in which dtype the cache lives."""
+
+    config: Config
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.config.kv_cache_block_size
 
 
 @attrs.define
@@ -76,15 +97,35 @@ class AttentionMetadataBuilder:
 
     impl_cls: type | None = None
 
-    def __init__(self, runner: Any, layers: list[torch.nn.Module]):
-        self.runner = runner
-        self.config = runner.config
-        self.hf_config = runner.hf_config
-        self.block_size: int = runner.config.kv_cache_block_size
-        self.dtype: torch.dtype = runner.dtype
-        self.device: torch.device = runner.device
+    def __init__(self, context: BuilderContext, layers: list[torch.nn.Module]):
+        self.context = context
+        self.config = context.config
+        self.hf_config = context.hf_config
+        self.block_size: int = context.block_size
+        self.dtype: torch.dtype = context.dtype
+        self.device: torch.device = context.device
         self.layers = list(layers)
         self._index = {id(m): i for i, m in enumerate(self.layers)}
+        self.pool: KVPoolPlan | None = None  # set by `bind_pool` before anything is allocated
+
+    def kv_layout(self) -> KVLayout:
+        """This type's cache as data, for planning: from the sizing hooks below by default."""
+        return KVLayout(
+            block_bytes=self.compute_block_bytes(),
+            state_bytes=self.compute_per_req_cache_bytes(),
+            state_slots_per_request=self.slots_per_req(),
+            state_checkpoints=self.supports_state_checkpoints(),
+        )
+
+    def bind_pool(self, plan: KVPoolPlan) -> None:
+        """Called once the pool is planned, before `allocate_kv_cache_tensors`: the counts to allocate for."""
+        self.pool = plan
+
+    @property
+    def plan(self) -> KVPoolPlan:
+        if self.pool is None:
+            raise RuntimeError(f"{type(self).__name__}: the KV pool is not planned yet (bind_pool)")
+        return self.pool
 
     # -- KV pool (PR 659 hooks; defaults are no-ops) ---------------------------------
 
@@ -93,7 +134,7 @@ class AttentionMetadataBuilder:
         return 0
 
     def allocate_kv_cache_tensors(self, num_kv_heads: int | None, num_draft_layers: int) -> dict[str, torch.Tensor]:
-        """Allocate this builder's pool tensors for `runner.num_kvcache_blocks` blocks."""
+        """Allocate this builder's pool tensors for `self.plan.num_blocks` blocks."""
         return {}
 
     def build_kv_cache_tensor(self, layer_id: int, module: torch.nn.Module) -> KVCacheTensor | None:
@@ -108,7 +149,7 @@ class AttentionMetadataBuilder:
         return 1
 
     def allocate_per_req_cache(self, num_slots: int) -> dict[str, torch.Tensor]:
-        """Allocate `num_slots` slots of per-request state: `num_per_req_cache_groups` x `slots_per_req()`
+        """Allocate `num_slots` slots of per-request state: `plan.num_state_groups` x `slots_per_req()`
         plus the state checkpoints. Slots 0..G-1 are the groups' own, the next ones the checkpoints
         (the numbers `ScheduledBatch.state_loads` / `state_saves` use), the rest the builder's."""
         return {}

@@ -7,9 +7,6 @@ architecture to a class, each attention layer's `attn_type` picks a builder from
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,27 +15,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from atom_core.runner.attention_builder import AttentionMetadataBuilder
-from atom_core.runner.compile import compile_model
 from atom_core.config import Config
-from atom_core.runner.direct_calls import direct_calls
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
+from atom_core.kv.layout import KVPoolPlan
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
-from atom_core.platform.memory import release_freed_heap, weight_arena
 from atom_core.loading.checkpoint import load_model_weights
-from atom_core.runner.logprobs import token_logprobs
 from atom_core.loading.quantize import quantize_model
+from atom_core.platform.memory import keep_freed_memory_mapped, release_freed_heap, weight_arena
 from atom_core.plugins.manager import get_registry
-from atom_core.sched.policy import policy_class
+from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext
+from atom_core.runner.compile import compile_model
+from atom_core.runner.direct_calls import direct_calls
+from atom_core.runner.kv_pool import allocate_kv_pool, plan_kv_pool
+from atom_core.runner.logprobs import token_logprobs
+from atom_core.runner.proposer import ProposalInput, Proposer, ProposerContext
 from atom_core.runner.sampler import SamplingMetadata, reads_argmax_only
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
+from atom_core.sched.policy import policy_class
+from atom_core.sched.speculative import crowded, wanted_drafts
 from atom_core.sequence import Sequence
-from atom_core.sched.speculative import ProposalInput, Proposer, crowded, wanted_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Share of free host memory the KV pool takes when neither kv_cache_memory nor
-# num_kvcache_blocks is set (vLLM's CPU backend also reserves a fixed slice).
-CPU_KV_CACHE_FRACTION = 0.25
 
 
 def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
@@ -48,33 +45,6 @@ def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
     if isinstance(found, torch.dtype):
         return found if found in _DTYPES.values() else torch.float32
     return _DTYPES.get(str(found).removeprefix("torch."), torch.float32)
-
-
-def keep_freed_memory_mapped() -> bool:
-    """Stop glibc from returning large freed blocks to the OS after every op.
-
-    Each decode step allocates and frees the same multi-megabyte temporaries; by default
-    glibc unmaps them and the next step page-faults them back in, which cost more than
-    the arithmetic (vLLM's CPU backend preloads tcmalloc for the same reason).
-    """
-    if sys.platform != "linux" or os.environ.get("ATOM_KEEP_MALLOC_DEFAULTS"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read free memory; set kv_cache_memory or num_kvcache_blocks")
 
 
 class ModelRunner:
@@ -104,7 +74,15 @@ class ModelRunner:
         # attention layers join the target's below and take KV from the same pool.
         if spec:  # verify steps must round as plain decode steps do
             batch_invariant_gemms(self.model)
-        self.proposer: Proposer | None = get_registry("proposers", pm).get(spec.method)(self, spec) if spec else None
+        # Filled below once the proposer's layers are known; the proposer holds the same mapping.
+        self.attn_builders: dict[str, AttentionMetadataBuilder] = {}
+        proposer_context = ProposerContext(
+            config=config, hf_config=hf_config, model=self.model, instantiate=self.instantiate,
+            load_weights=self.load_weights, attn_builders=self.attn_builders,
+        )  # fmt: skip
+        self.proposer: Proposer | None = (
+            get_registry("proposers", pm).get(spec.method)(proposer_context, spec) if spec else None
+        )
         self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
         draft_modules = self.proposer.draft_modules() if self.proposer else []
         self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
@@ -123,9 +101,8 @@ class ModelRunner:
         for m in self.attn_layers:
             by_type.setdefault(m.attn_type, []).append(m)
         builders = get_registry("attention_builders", pm)
-        self.attn_builders: dict[str, AttentionMetadataBuilder] = {
-            t: builders.get(t)(self, layers) for t, layers in by_type.items()
-        }
+        context = BuilderContext(config=config, hf_config=hf_config, device=self.device, dtype=self.dtype)
+        self.attn_builders.update({t: builders.get(t)(context, layers) for t, layers in by_type.items()})
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
         # Whether an argmax-only step can save anything: a screened LM head (made now, not in the
         # first request's first token), a sampler that takes its rows, and no drafts to verify
@@ -133,10 +110,12 @@ class ModelRunner:
         self.screens_lm_head = not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
         reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
-        self.num_kvcache_blocks = self._size_kv_pool(len(reserved))
-        self.kv_cache_tensors: dict[str, torch.Tensor] = {}
-        self.per_req_cache_tensors: dict[str, torch.Tensor] = {}
-        self._allocate_kv_cache()
+        layouts = {t: b.kv_layout() for t, b in self.attn_builders.items()}
+        self.kv_plan: KVPoolPlan = plan_kv_pool(layouts, config, self.device, len(reserved))
+        self.kv_cache_tensors, self.per_req_cache_tensors, kv_cache_data = allocate_kv_pool(
+            self.attn_builders, self.attn_layers, self.kv_plan, getattr(hf_config, "num_key_value_heads", None)
+        )
+        set_kv_cache_data(kv_cache_data)
         self.run_model = compile_model(self.model, config, self.device)
         # Eager modules skip nn.Module.__call__'s hook checks (a compiled model is traced as it is;
         # a proposer's own layers always run eagerly).
@@ -177,7 +156,11 @@ class ModelRunner:
 
         A layer returns its output whole or, carrying the residual stream as vLLM's do, as a pair
         (h, residual) whose sum it is; either way what is kept is the residual stream itself."""
-        stacks = [m for name, m in self.model.named_modules() if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
+        stacks = [
+            m
+            for name, m in self.model.named_modules()
+            if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)
+        ]
         if not stacks:
             raise ValueError(f"{type(self.model).__name__} has no `layers` ModuleList to read hidden states from")
         layers = max(stacks, key=len)
@@ -193,125 +176,6 @@ class ModelRunner:
             if not 0 <= i < len(layers):
                 raise ValueError(f"the proposer reads hidden states of layer {i}; the model has {len(layers)} layers")
             layers[i].register_forward_hook(keep(slot))
-
-    # -- KV pool -------------------------------------------------------------------------
-
-    def _size_kv_pool(self, reserved: int = 0) -> int:
-        """Blocks for the paged pool, after the per-request state groups and checkpoints have taken
-        their share; `reserved` of them are the policy's and hold no request."""
-        cfg, bs = self.config, self.block_size
-        block_bytes = sum(b.compute_block_bytes() for b in self.attn_builders.values())
-        # Stateful attention (GDN) keeps one group of per-request state outside the pool;
-        # every group is reserved up front, so the budget pays for them first.
-        stateful = {t: b for t, b in self.attn_builders.items() if b.compute_per_req_cache_bytes()}
-        group_bytes = sum(b.compute_per_req_cache_bytes() * b.slots_per_req() for b in stateful.values())
-        groups_field = "num_per_req_cache_groups" if cfg.num_per_req_cache_groups else "max_num_seqs"
-        self.num_per_req_cache_groups = (cfg.num_per_req_cache_groups or cfg.max_num_seqs) if stateful else 0
-        self.group_bytes = group_bytes
-        # Prefix caching resumes such a request only from a state checkpoint: one more slot
-        # of each builder's state after the groups' slots, paid from the same budget.
-        self.num_state_checkpoints = 0
-        self.checkpoint_bytes = sum(b.compute_per_req_cache_bytes() for b in stateful.values())
-        if stateful and cfg.enable_prefix_caching:
-            unable = sorted(t for t, b in stateful.items() if not b.supports_state_checkpoints())
-            if unable:
-                raise ValueError(
-                    f"prefix caching needs state checkpoints from every attention type with per-request state; "
-                    f"{', '.join(map(repr, unable))} keeps none: set enable_prefix_caching=False"
-                )
-            if not cfg.gdn_checkpoint_slots:
-                raise ValueError(
-                    "prefix caching on a model with per-request state resumes a prompt only "
-                    "from a state checkpoint, and gdn_checkpoint_slots=0 keeps none: set gdn_checkpoint_slots "
-                    "to 1 or more, or enable_prefix_caching=False"
-                )
-            self.num_state_checkpoints = cfg.gdn_checkpoint_slots
-        per_request = -(-cfg.max_model_len // bs)  # blocks for one full request (drafts stay inside them)
-        # and for one with blocks for the k draft positions past its tokens too, which it takes only when free
-        per_request_with_drafts = -(-(cfg.max_model_len + cfg.num_speculative_tokens) // bs)
-        if cfg.num_kvcache_blocks is not None:
-            num_blocks = cfg.num_kvcache_blocks
-            source = f"num_kvcache_blocks={num_blocks}"
-        else:
-            if cfg.kv_cache_memory is not None:
-                budget, source = cfg.kv_cache_memory, f"kv_cache_memory={cfg.kv_cache_memory}"
-            elif self.device.type == "cpu":
-                budget = int(free_memory_bytes(self.device) * CPU_KV_CACHE_FRACTION)
-                source = f"{CPU_KV_CACHE_FRACTION:.0%} of free memory ({budget} bytes)"
-            else:
-                budget = int(free_memory_bytes(self.device) * cfg.gpu_memory_utilization)
-                source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"
-            checkpoints = self.num_state_checkpoints
-            checkpoints_total = checkpoints * self.checkpoint_bytes
-            groups_total = self.num_per_req_cache_groups * group_bytes + checkpoints_total
-            if group_bytes and budget - groups_total < (per_request + reserved) * block_bytes:
-                fit = max(0, (budget - (per_request + reserved) * block_bytes - checkpoints_total) // group_bytes)
-                also, beside, lower = "", "", groups_field
-                if checkpoints:
-                    also = (
-                        f" and {checkpoints} state checkpoints of {self.checkpoint_bytes} bytes "
-                        f"(gdn_checkpoint_slots={checkpoints})"
-                    )
-                    beside, lower = f" beside the {checkpoints} checkpoints", f"{groups_field} or gdn_checkpoint_slots"
-                raise ValueError(
-                    f"the KV budget from {source} cannot hold {self.num_per_req_cache_groups} per-request state "
-                    f"groups of {group_bytes} bytes ({groups_field}={self.num_per_req_cache_groups}){also} plus the "
-                    f"{per_request} blocks of {block_bytes} bytes one request of max_model_len={cfg.max_model_len} "
-                    f"tokens needs; at most {fit} groups fit{beside}: lower {lower}, or raise kv_cache_memory"
-                )
-            num_blocks = (budget - groups_total) // max(block_bytes, 1)
-            # More than every running request at full length can never be used.
-            num_blocks = min(num_blocks, cfg.max_num_seqs * per_request_with_drafts + reserved)
-        if num_blocks - reserved < per_request:
-            beside = f" beside the {reserved} the {cfg.scheduling_policy!r} policy reserves" if reserved else ""
-            raise ValueError(
-                f"the KV pool from {source} holds {num_blocks} blocks of {bs} tokens "
-                f"({block_bytes} bytes each), fewer than the {per_request} blocks one request of "
-                f"max_model_len={cfg.max_model_len} tokens needs{beside}; raise kv_cache_memory or "
-                f"num_kvcache_blocks, or lower max_model_len"
-            )
-        total = num_blocks * block_bytes + self.num_per_req_cache_groups * group_bytes
-        total += self.num_state_checkpoints * self.checkpoint_bytes
-        # On CPU, past the memory available the pool's pages (mapped in the background) would be
-        # filled in until the OS kills the process; a device allocator says so itself. Where
-        # free memory cannot be read (no /proc/meminfo), an explicit size is taken as given.
-        try:
-            free = free_memory_bytes(self.device) if self.device.type == "cpu" else None
-        except (OSError, RuntimeError):
-            free = None
-        if free is not None and total > free:
-            raise ValueError(
-                f"the KV pool from {source} takes {total} bytes ({num_blocks} blocks of {block_bytes} bytes"
-                f"{' and per-request state' if group_bytes else ''}), more than the {free} bytes of "
-                f"{self.device.type} memory available: lower kv_cache_memory or num_kvcache_blocks"
-            )
-        self.block_bytes = block_bytes
-        # What one group is worth in blocks, for the scheduler's own accounting.
-        self.per_req_cache_equiv_blocks = -(-group_bytes // block_bytes) if group_bytes and block_bytes else 0
-        return num_blocks
-
-    def _allocate_kv_cache(self) -> None:
-        num_kv_heads = getattr(self.hf_config, "num_key_value_heads", None)
-        # Per-request state groups (GDN-style attention), then the state checkpoints, counted
-        # by `_size_kv_pool`; the scheduler must hand out exactly as many as were allocated,
-        # so the engine reads these counts back.
-        stateful = [b for b in self.attn_builders.values() if b.compute_per_req_cache_bytes()]
-        for builder in self.attn_builders.values():
-            self.kv_cache_tensors.update(builder.allocate_kv_cache_tensors(num_kv_heads, 0))
-        for builder in stateful:
-            slots = self.num_per_req_cache_groups * builder.slots_per_req() + self.num_state_checkpoints
-            self.per_req_cache_tensors.update(builder.allocate_per_req_cache(slots))
-        kv_cache_data = {}
-        for i, module in enumerate(self.attn_layers):
-            layer_id = getattr(module, "layer_id", i)
-            for builder in self.attn_builders.values():
-                kv = builder.build_kv_cache_tensor(layer_id, module)
-                if kv is not None:
-                    kv_cache_data[f"layer_{layer_id}"] = kv
-                    break
-            else:
-                raise RuntimeError(f"no attention builder bound a cache to layer {layer_id} ({module.attn_type})")
-        set_kv_cache_data(kv_cache_data)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -498,7 +362,8 @@ class ModelRunner:
         sampled = dict(zip(rows, tokens))
         rows_info = zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)
         next_token_ids = [
-            sampled[r][-1] if r in sampled else seqs[rid].token_ids[first + n] for r, (rid, first, n) in enumerate(rows_info)
+            sampled[r][-1] if r in sampled else seqs[rid].token_ids[first + n]
+            for r, (rid, first, n) in enumerate(rows_info)
         ]
         inp = ProposalInput(
             seqs=row_seqs,
@@ -526,7 +391,9 @@ class ModelRunner:
         for seq, limit, d in zip(row_seqs, limits, proposed):
             if d is not None and d.token_ids and limit:
                 if not all(0 <= t < vocab for t in d.token_ids):
-                    raise ValueError(f"proposer {method!r} drafted {d.token_ids} for request {seq.id}, outside [0, {vocab})")
+                    raise ValueError(
+                        f"proposer {method!r} drafted {d.token_ids} for request {seq.id}, outside [0, {vocab})"
+                    )
                 d.token_ids = list(d.token_ids[:limit])
                 if d.probs is not None:
                     d.probs = d.probs[:limit]

@@ -111,7 +111,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seed in enumerate(meta.seeds):
             if seed is not None and not greedy[i]:
-                self._row_generator.manual_seed(_mix(seed, meta.steps[i]))
+                self._row_generator.manual_seed(seed_for_step(seed, meta.steps[i]))
                 noise[i].exponential_(generator=self._row_generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)
@@ -155,7 +155,7 @@ def processed_probs(
     return probs
 
 
-def _mix(seed: int, step: int) -> int:
+def seed_for_step(seed: int, step: int) -> int:
     """A 63-bit generator seed from (request seed, token index)."""
     x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 31

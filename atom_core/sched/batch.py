@@ -53,9 +53,7 @@ class ScheduledBatch:
         self.num_scheduled_tokens = num_scheduled_tokens
         spec = self.scheduled_spec_decode_tokens = dict(scheduled_spec_decode_tokens or {})
         if num_computed_tokens is None:  # a hand-built batch: each request runs up to its end
-            num_computed_tokens = [
-                len(s) - n + len(spec.get(s.id, ())) for s, n in zip(values, num_scheduled_tokens)
-            ]
+            num_computed_tokens = [len(s) - n + len(spec.get(s.id, ())) for s, n in zip(values, num_scheduled_tokens)]
         self.num_computed_tokens = num_computed_tokens
         self.num_cached_tokens = [s.num_cached_tokens for s in values]
         if total_tokens_num == len(values):  # one token a request

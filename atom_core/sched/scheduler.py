@@ -15,19 +15,21 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from atom_core.kv.block_manager import BlockManager
 from atom_core.config import Config, as_config
-from atom_core.sched.policy import SchedulingPolicy, StepBuilder, policy_class
+from atom_core.kv.block_manager import BlockManager
+from atom_core.kv.layout import KVPoolPlan
 from atom_core.request import RequestOutput
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
-from atom_core.sequence import Sequence, SequenceStatus, SequenceType
+from atom_core.sched.policy import SchedulingPolicy, StepBuilder, policy_class
 from atom_core.sched.speculative import DraftGate, SpecStats, crowded, wanted_drafts
+from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 
 logger = logging.getLogger("atom")
 
 
 class Scheduler:
-    def __init__(self, config: Config, pm: Any = None):
+    def __init__(self, config: Config, pm: Any = None, plan: KVPoolPlan | None = None):
+        """`plan`: the KV pool a model runner planned; without one, `config`'s counts (`BlockManager`)."""
         config = as_config(config)  # a stand-in with ATOM's fields works too
         self.config = config
         self.max_num_seqs = config.max_num_seqs
@@ -38,7 +40,7 @@ class Scheduler:
         self.stop_token_ids = list(config.stop_token_ids)
         self._stop_token_set = frozenset(self.stop_token_ids)
         self.block_size = config.kv_cache_block_size
-        self.block_manager = BlockManager(config)
+        self.block_manager = BlockManager(config, plan)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.prev_time = 0.0

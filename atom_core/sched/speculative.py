@@ -1,13 +1,9 @@
-"""The speculative-decoding contract: a proposer drafts, a verifier accepts, the scheduler counts.
+"""The scheduler's side of speculative decoding: how many drafts each request gets, when
+drafting is worth it, and the counters of what was accepted.
 
-The core knows no proposer by name. `SpeculativeConfig.method` picks a class from the
-"proposers" registry and `SpeculativeConfig.verifier` a rejection sampler from the
-"samplers" registry (both registered by the `atom_spec` plugin, or a third party's).
-Every step the runner verifies the drafts it scheduled, then hands the proposer a
-`ProposalInput` describing the step and gets back up to k drafts per request. A draft
-model's attention layers take their KV from the same builders and pool, under the same
-block tables (`Proposer.draft_modules`); the block manager allocates k lookahead slots
-past each sampling step's end for the positions a chained draft writes.
+The proposer contract (what a proposer is made from, told and returns) is
+`atom_core.runner.proposer`; the block manager allocates k lookahead slots past each
+sampling step's end for the positions a chained draft writes.
 """
 
 from __future__ import annotations
@@ -16,99 +12,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
 
 if TYPE_CHECKING:  # `import atom_core` loads no torch (the scheduler imports this module)
-    import torch
-
-    from atom_core.sched.batch import ScheduledBatch
     from atom_core.sequence import Sequence
 
 logger = logging.getLogger("atom")
-
-
-@attrs.define
-class Drafts:
-    """One request's proposal: token ids and, where the proposer has them, their distributions."""
-
-    token_ids: list[int]
-    probs: torch.Tensor | None = None  # [len(token_ids), vocab]; None = a one-hot draft (n-gram)
-
-
-@attrs.define(kw_only=True)
-class ProposalInput:
-    """What one step tells the proposer.
-
-    Two views of the step. The *drafting rows* (`seqs`, `new_token_ids`, `max_drafts`,
-    `batch_rows`) are the requests that sampled, in batch order: they get
-    drafts. The *batch rows* (`query_start_loc`, `verified_end`, `next_token_ids`, one
-    entry per row of `batch`, middle prompt chunks included) say which tokens the target
-    computed and kept, so a proposer with KV layers of its own can run them over every
-    verified token of the step, shifted by one: position p with the token at p + 1.
-
-    `hidden_states` holds the target's final hidden state for every token the step ran
-    (rows of `batch.scheduled_tokens`); `aux_hidden_states` the outputs of the decoder
-    layers the proposer named in `aux_hidden_layers`, in that order. Drafting row i's last
-    verified token (the one whose successor was sampled) sits at
-    `verified_end[batch_rows[i]] - 1` in those tensors; tokens of a row from `verified_end`
-    on were rejected drafts: their KV is overwritten next step.
-
-    The runner calls `propose` after every step, also when no row samples or none wants
-    drafts (`max_drafts` all 0), so that draft KV never falls behind the target's (unless
-    the proposer sets `skips_idle_steps`).
-    """
-
-    seqs: list[Sequence]
-    new_token_ids: list[list[int]]  # emitted this step: accepted drafts, then the target's token
-    max_drafts: list[int]  # drafts worth proposing per row (0: none), at most k
-    batch: ScheduledBatch
-    batch_rows: list[int]  # each seq's row in `batch`
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    hidden_states: torch.Tensor
-    aux_hidden_states: list[torch.Tensor] = attrs.field(factory=list)
-    # Per row of `batch`: its tokens are [query_start_loc[r], query_start_loc[r + 1]) of the
-    # step's tensors, the verified ones [query_start_loc[r], verified_end[r]) (every token
-    # of a row without drafts), and `next_token_ids[r]` is the token after the last verified
-    # one: the next prompt token of a middle chunk, the token just emitted for a row that sampled.
-    query_start_loc: np.ndarray = attrs.field(factory=lambda: np.zeros(1, dtype=np.int64))
-    verified_end: np.ndarray = attrs.field(factory=lambda: np.zeros(0, dtype=np.int64))
-    next_token_ids: list[int] = attrs.field(factory=list)
-
-
-class Proposer:
-    """Base class of a speculative-decoding method.
-
-    Subclasses implement `propose`. One with weights loads them in `__init__` from
-    `spec_config.model` (or the target checkpoint) and returns the modules holding its
-    attention layers from `draft_modules` (each with a `layer_id` past the target's, so
-    the builders give it a KV layer of its own; `num_draft_layers` counts them); one
-    that reads the target's intermediate hidden states names the decoder layers whose
-    outputs it wants in `aux_hidden_layers`.
-    """
-
-    num_draft_layers: int = 0
-    aux_hidden_layers: tuple[int, ...] = ()
-    # True for a proposer with nothing to keep up to date (no KV layers, no state fed
-    # token by token): the runner skips `propose` when no row wants drafts.
-    skips_idle_steps: bool = False
-
-    def __init__(self, runner: Any, spec_config: Any):
-        self.runner = runner
-        self.spec_config = spec_config
-        self.k: int = spec_config.num_speculative_tokens
-
-    def draft_modules(self) -> list[torch.nn.Module]:
-        """Modules holding the proposer's attention layers, bound to the KV pool like the target's."""
-        return []
-
-    def propose(self, inp: ProposalInput) -> list[Drafts | None]:
-        """Up to `inp.max_drafts[i]` drafts for each drafting row i (None or an empty list: none).
-
-        `probs` only where the drafts were sampled from them; a draft taken by argmax is
-        one-hot (probs=None), and passing the softmax instead would not be lossless.
-        """
-        raise NotImplementedError
 
 
 def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None) -> int:
@@ -127,9 +35,7 @@ def draft_limit(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int |
     return max(0, min(k, left, room))
 
 
-def wanted_drafts(
-    seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None, busy: bool = False
-) -> int:
+def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int | None, busy: bool = False) -> int:
     """`draft_limit`, capped by what the request's gate allows (0 while it has paused drafting).
 
     `busy` (`crowded(...)`): the step ran `disable_by_batch_size` requests or more, which stops
@@ -259,7 +165,9 @@ class DraftGate:
         for j in range(num_drafted):
             self.accept[j] = 0.5 * self.accept[j] + 0.5 * (j < num_accepted)
         if self.accept[0] < self.min_rate:
-            self.pause = self.retry_after if self.pause == 0 else min(2 * self.pause, self.MAX_BACKOFF * self.retry_after)
+            self.pause = (
+                self.retry_after if self.pause == 0 else min(2 * self.pause, self.MAX_BACKOFF * self.retry_after)
+            )
             self.paused_until = num_completion_tokens + self.pause
             # probation: one draft, and one more miss pauses again
             self.accept = [self.min_rate] + [0.0] * (len(self.accept) - 1)

@@ -27,7 +27,7 @@ from gguf import MODEL_TENSOR, GGMLQuantizationType, Keys
 
 from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined
 
-__all__ = ["gguf_to_hf_folder", "load_gguf", "supported_architectures", "write_gguf_blocks"]
+__all__ = ["load_gguf", "supported_architectures"]
 
 
 def supported_architectures() -> list[str]:
@@ -294,5 +294,3 @@ def _check_complete(config: dict, state: dict[str, torch.Tensor]) -> None:
 
 
 # --- writing -------------------------------------------------------------------------------
-
-

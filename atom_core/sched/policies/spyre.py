@@ -133,8 +133,7 @@ class SpyrePolicy(SchedulingPolicy):
         what = f"{seq.num_tokens} prompt tokens"
         if seq.num_completion_tokens:  # preempted: its prompt and what it generated are prefilled again
             what = (
-                f"{seq.num_tokens} tokens to prefill again after a preemption "
-                f"({seq.num_completion_tokens} generated)"
+                f"{seq.num_tokens} tokens to prefill again after a preemption ({seq.num_completion_tokens} generated)"
             )
         if padded >= alone:
             return (
