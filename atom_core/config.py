@@ -232,37 +232,3 @@ class Config:
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
-
-
-# A stand-in without a `scheduling_policy` field is ATOM's config: ATOM's scheduler
-# runs prompts and decodes in separate steps, Atom's `prefill_first`.
-_STAND_IN_DEFAULTS = {"scheduling_policy": "prefill_first"}
-
-
-class ConfigView:
-    """Any object carrying some of `Config`'s fields (ATOM's tests drive its Scheduler and
-    BlockManager with such stand-ins), read as a `Config`: a field it lacks takes Config's
-    default, and Config's derived values (`chunk_size`, `num_speculative_tokens`) are
-    computed from it. Nothing is validated: the object is taken as its author built it."""
-
-    def __init__(self, obj: Any):
-        self._obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        obj = self.__dict__["_obj"]
-        if hasattr(obj, name):
-            return getattr(obj, name)
-        if name in _STAND_IN_DEFAULTS:
-            return _STAND_IN_DEFAULTS[name]
-        field = attrs.fields_dict(Config).get(name)
-        if field is not None:
-            return field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
-        prop = getattr(Config, name, None)
-        if isinstance(prop, property):
-            return prop.fget(self)
-        raise AttributeError(f"{type(obj).__name__} has no {name!r}, and Config has no such field")
-
-
-def as_config(config: Any) -> Config | ConfigView:
-    """`config` itself if it is a `Config` (or a view already), else a `ConfigView` of it."""
-    return config if isinstance(config, (Config, ConfigView)) else ConfigView(config)

@@ -16,7 +16,6 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
-    EXIT_ENGINE = auto()
 
 
 class SequenceType(Enum):

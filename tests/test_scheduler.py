@@ -50,7 +50,6 @@ def test_prefill_batch_contents():
     assert batch.num_cached_tokens == [0, 0]
     assert batch.temperatures == [1.0, 1.0]
     assert batch.num_spec_step == 0 and batch.scheduled_spec_decode_tokens == {}
-    assert batch.is_dummy_run is False
     assert [s.status for s in (a, b)] == [SequenceStatus.RUNNING] * 2
     assert [s.type for s in (a, b)] == [SequenceType.PREFILL] * 2
     assert list(sched.running) == [a, b] and not sched.waiting

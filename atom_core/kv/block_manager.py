@@ -16,7 +16,8 @@ from collections import deque
 import numpy as np
 import xxhash
 
-from atom_core.config import Config, as_config
+from atom_core.compat import as_config
+from atom_core.config import Config
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.kv.state_checkpoints import StateCheckpoints
 from atom_core.sequence import Sequence, SequenceType

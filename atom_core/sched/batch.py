@@ -37,7 +37,6 @@ class ScheduledBatch:
         total_seqs_num: int = 0,
         total_seqs_num_prefill: int = 0,
         total_seqs_num_decode: int = 0,
-        is_dummy_run: bool = False,
         num_spec_step: int = 0,
         scheduled_spec_decode_tokens: dict[int, list[int]] | None = None,
         *,
@@ -79,7 +78,6 @@ class ScheduledBatch:
         self.total_seqs_num = total_seqs_num
         self.total_seqs_num_prefill = total_seqs_num_prefill
         self.total_seqs_num_decode = total_seqs_num_decode
-        self.is_dummy_run = is_dummy_run
         self.num_spec_step = num_spec_step
         self.left_pad_blocks = left_pad_blocks
         self.tkvs = tkvs

@@ -111,9 +111,6 @@ class StepBuilder:
         cached prefix): a request with per-request state resumes only where a state checkpoint is."""
         return self._sched.block_manager.can_resume_at(seq, position)
 
-    def is_scheduled(self, seq: Sequence) -> bool:
-        return seq.id in self._scheduled
-
     # -- the chunk rule ------------------------------------------------------------------
 
     def chunk(self, remaining: int) -> int:

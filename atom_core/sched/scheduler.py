@@ -15,7 +15,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from atom_core.config import Config, as_config
+from atom_core.compat import AtomSchedulerCounters, as_config
+from atom_core.config import Config
 from atom_core.kv.block_manager import BlockManager
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.request import RequestOutput
@@ -27,7 +28,7 @@ from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 logger = logging.getLogger("atom")
 
 
-class Scheduler:
+class Scheduler(AtomSchedulerCounters):
     def __init__(self, config: Config, pm: Any = None, plan: KVPoolPlan | None = None):
         """`plan`: the KV pool a model runner planned; without one, `config`'s counts (`BlockManager`)."""
         config = as_config(config)  # a stand-in with ATOM's fields works too
@@ -365,20 +366,3 @@ class Scheduler:
         seq.leave_reason = reason
         self._finished_outside_step.append(seq)
         self._emit(seq, reason)
-
-    @property
-    def total_draft_tokens(self) -> int:
-        return self.spec_stats.num_draft_tokens
-
-    @property
-    def total_accepted_tokens(self) -> int:
-        return self.spec_stats.num_accepted_tokens
-
-    def update_spec_stats(self, num_accepted_tokens: int) -> None:
-        """ATOM's counter update, for a caller that verifies outside `postprocess` (which counts
-        by itself): one request-step of `mtp_k` drafts, `num_accepted_tokens - mtp_k` of them
-        accepted, in ATOM's convention."""
-        stats = self.spec_stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += self.mtp_k
-        stats.num_accepted_tokens += num_accepted_tokens - self.mtp_k
