@@ -68,3 +68,21 @@ def token_id_list(value: Any) -> list[int]:
         if not _is_token_id(t):
             raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
     return ids
+
+
+def one_of(choices: tuple) -> Any:
+    """A validator whose error names the field, the choices and the value."""
+
+    def check(inst: object, attr: attrs.Attribute, value: object) -> None:
+        # type too: 32.0 == 32, but a float group size fails deep in a reshape
+        if isinstance(value, bool) or not any(type(value) is type(c) and value == c for c in choices):
+            raise ValueError(f"{attr.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    return check
+
+
+def option_names(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    """A mapping of setting name -> value (`Config.additional_config`)."""
+    bad = [k for k in value if not isinstance(k, str) or not k]
+    if bad:
+        raise ValueError(f"{attr.name} takes setting names (non-empty strings) as keys, got {bad[0]!r}")

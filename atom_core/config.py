@@ -13,6 +13,8 @@ from atom_core._validators import (
     name,
     non_negative_float,
     non_negative_int,
+    one_of,
+    option_names,
     optional_token_id,
     positive,
     token_id_list,
@@ -63,17 +65,6 @@ def check_device(value: str) -> None:
         raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={value!r}, but this torch has no CUDA device (torch.cuda.is_available() is False)")
-
-
-def _one_of(choices: tuple) -> Any:
-    """A validator whose error names the field, the choices and the value."""
-
-    def check(inst: object, attr: attrs.Attribute, value: object) -> None:
-        # type too: 32.0 == 32, but a float group size fails deep in a reshape
-        if isinstance(value, bool) or not any(type(value) is type(c) and value == c for c in choices):
-            raise ValueError(f"{attr.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-    return check
 
 
 def _max_logprobs(inst: Any, attr: attrs.Attribute, value: Any) -> None:
@@ -158,8 +149,6 @@ class Config:
     speculative_config: SpeculativeConfig | None = attrs.field(default=None, converter=_speculative_config)
     # Per-request state groups for stateful attention (GDN); 0 = the model keeps none.
     num_per_req_cache_groups: int = attrs.field(default=0, validator=non_negative_int)
-    # Precision of Gated DeltaNet per-request state: "float32" (exact) or "bfloat16" (half the memory).
-    gdn_state_dtype: str = attrs.field(default="float32", validator=_one_of(("float32", "bfloat16")))
     # State checkpoints for prefix caching on a model with per-request state (GDN hybrids):
     # copies of the state at block boundaries, kept least recently used first, each as big
     # as a group and paid from the same budget. Used only with enable_prefix_caching on such
@@ -174,39 +163,36 @@ class Config:
     # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.
     kv_cache_memory: int | None = attrs.field(default=None, validator=positive)
     sampler: str = attrs.field(default="default", validator=name)
-    # -- weight quantization (atom_core/layers/quant.py) --
+    # -- weight quantization (atom_core/loading/quantize.py) --
     # "auto": a model converted from GGUF keeps its Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 blocks (other quantized
     # types are requantized to the nearest of those), other checkpoints load as they are;
     # "none": everything dequantized; "int8" / "int4": every Linear quantized at load.
-    quantization: str = attrs.field(default="auto", validator=_one_of(QUANTIZATIONS))
+    quantization: str = attrs.field(default="auto", validator=one_of(QUANTIZATIONS))
     # int4 / int8: weights per scale (and zero) along the input dimension; torch's int4
     # kernel, which runs both, takes these.
-    quantization_group_size: int = attrs.field(default=32, validator=_one_of((32, 64, 128, 256)))
+    quantization_group_size: int = attrs.field(default=32, validator=one_of((32, 64, 128, 256)))
     # The LM head under "int8"/"int4": "int8" (on SmolLM2 an int4 head cost 6% perplexity),
     # "same" as the other layers, or "none" (floating point; also under "auto").
-    quantize_lm_head: str = attrs.field(default="int8", validator=_one_of(("int8", "same", "none")))
+    quantize_lm_head: str = attrs.field(default="int8", validator=one_of(("int8", "same", "none")))
     # -- scheduling policy (a name from the "scheduler_policies" registry) --
     scheduling_policy: str = attrs.field(default="mixed", validator=name)
     # Split a prompt longer than what is left of a step's token budget across steps.
     enable_chunked_prefill: bool = attrs.field(default=True, validator=boolean)
     # Cap on one request's prefill chunk per step; 0 = no cap.
     long_prefill_token_threshold: int = attrs.field(default=0, validator=non_negative_int)
-    # `spyre`: tokens per prefill chunk (a multiple of kv_cache_block_size); None =
-    # max_num_batched_tokens floored to a block multiple.
-    prefill_chunk_size: int | None = attrs.field(default=None, validator=positive)
-    # `spyre`: no two prefill steps in a row while any request is decoding.
-    interleave_prefill_decode: bool = attrs.field(default=True, validator=boolean)
-    # `spyre`: ceiling on batch_size x max tkv at every decode step (the hardware's KV volume).
-    max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
     # Most top tokens a request may ask for in `logprobs` / `prompt_logprobs` (vLLM's
     # max_logprobs); -1: no limit but the vocabulary.
     max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)
     # True (default): run the model module by module. False: steps of up to 8 tokens take
-    # the torch.compile'd forward (atom_core/compile.py; compiled on first use, cached on
+    # the torch.compile'd forward (atom_core/runner/compile.py; compiled on first use, cached on
     # disk). On CPU it measured no faster than eager here (docs/performance.md), hence the default.
     enforce_eager: bool = attrs.field(default=True, validator=boolean)
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
+    # Settings that belong to a plugin (a scheduling policy's, an attention builder's), by
+    # name: each plugin class declares and validates its own (`options_class`, see
+    # atom_core/plugins/options.py). `LLMEngine(...)` and the CLI take them by name too.
+    additional_config: dict[str, Any] = attrs.field(factory=dict, converter=dict, validator=option_names)
 
     def __attrs_post_init__(self) -> None:
         bs = self.kv_cache_block_size
@@ -216,18 +202,6 @@ class Config:
             raise ValueError(
                 f"long_prefill_token_threshold must be 0 (no cap) or at least kv_cache_block_size={bs}, got {threshold}"
             )
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size % bs:
-            raise ValueError(
-                f"prefill_chunk_size must be a multiple of kv_cache_block_size={bs}, got {self.prefill_chunk_size}"
-            )
-
-    @property
-    def chunk_size(self) -> int:
-        """`prefill_chunk_size`, or the token budget floored to whole blocks (at least one block)."""
-        if self.prefill_chunk_size is not None:
-            return self.prefill_chunk_size
-        bs = self.kv_cache_block_size
-        return max(bs, self.max_num_batched_tokens // bs * bs)
 
     @property
     def num_speculative_tokens(self) -> int:

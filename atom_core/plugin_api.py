@@ -15,13 +15,17 @@ a plugin contributes:
 - a proposer: `Proposer`, `ProposerContext`, `ProposalInput`, `Drafts`;
 - a sampler or verifier: `SamplingMetadata`, `Penalties`, `apply_penalties`,
   `processed_probs`, `seed_for_step`;
-- a scheduling policy: `SchedulingPolicy`, `StepBuilder`.
+- a scheduling policy: `SchedulingPolicy`, `StepBuilder`;
+- settings of its own (a policy's or a builder's `options_class`, read from
+  `Config.additional_config`): validators whose errors name the setting, the limit and the
+  value (`boolean`, `positive`, `non_negative_int`, `one_of`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from atom_core._validators import boolean, non_negative_int, one_of, positive
 from atom_core.forward_context import (
     Context,
     ForwardContext,
@@ -109,12 +113,16 @@ __all__ = [
     "SchedulingPolicy",
     "StepBuilder",
     "apply_penalties",
+    "boolean",
     "empty_resident",
     "get_forward_context",
     "get_registry",
     "hookimpl",
     "moe_tensors",
+    "non_negative_int",
+    "one_of",
     "packed_target",
+    "positive",
     "processed_probs",
     "reset_forward_context",
     "safetensors_files",

@@ -288,7 +288,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     model_cls = DeepseekV3Model
 
 
-# --- GGUF (atom_core/gguf_arch.py): llama.cpp's "deepseek2", for V2 and V3 alike ----------------
+# --- GGUF (atom_core/loading/gguf/architecture.py): llama.cpp's "deepseek2", for V2 and V3 alike ----------------
 
 DEEPSEEK_GGUF_TENSORS = (
     {k: v for k, v in LLAMA_GGUF_TENSORS.items() if k not in (T.ATTN_K, T.ATTN_V)}

@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-# --- GGUF: how llama.cpp's converter writes this family (atom_core/gguf_arch.py) ---------------
+# --- GGUF: how llama.cpp's converter writes this family (atom_core/loading/gguf/architecture.py) ---------------
 
 # GGUF tensor kind -> the hub checkpoint's name (".weight"/".bias" follow as in the file).
 LLAMA_GGUF_TENSORS = {

@@ -48,7 +48,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return self._experts(name) or (name, None)
 
 
-# --- GGUF (atom_core/gguf_arch.py): written as "llama" with experts (GGUF_LLAMA picks this) ----
+# --- GGUF (atom_core/loading/gguf/architecture.py): written as "llama" with experts (GGUF_LLAMA picks this) ----
 
 MIXTRAL_GGUF_TENSORS = LLAMA_GGUF_TENSORS | moe_tensors("block_sparse_moe", MIXTRAL_EXPERT_NAMES)
 

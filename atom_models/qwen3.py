@@ -31,7 +31,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model
 
 
-# --- GGUF (atom_core/gguf_arch.py): Llama's names plus the q/k norms, no rope permutation ---------
+# --- GGUF (atom_core/loading/gguf/architecture.py): Llama's names plus the q/k norms, no rope permutation ---------
 
 QWEN3_GGUF_TENSORS = LLAMA_GGUF_TENSORS | {
     T.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm",

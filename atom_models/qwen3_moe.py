@@ -55,7 +55,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     map_checkpoint_name = FusedMoE.checkpoint_mapping()
 
 
-# --- GGUF (atom_core/gguf_arch.py): Qwen3 plus the router and the stacked experts -------------
+# --- GGUF (atom_core/loading/gguf/architecture.py): Qwen3 plus the router and the stacked experts -------------
 
 QWEN3_MOE_GGUF_TENSORS = QWEN3_GGUF_TENSORS | moe_tensors("mlp", QWEN_EXPERT_NAMES)
 

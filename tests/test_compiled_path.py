@@ -1,4 +1,4 @@
-"""The compiled decode path (atom_core/compile.py) against the plain path, float32.
+"""The compiled decode path (atom_core/runner/compile.py) against the plain path, float32.
 
 For one tiny random model of every model plugin, the same workload runs once with
 `enforce_eager=True` and once with `enforce_eager=False`, in one engine each: prompts of

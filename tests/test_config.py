@@ -63,8 +63,24 @@ def test_other_field_checks_name_the_field():
         Config(scheduling_policy=3)
     with pytest.raises(ValueError, match="sampler must be a name"):
         Config(sampler=5)
+    with pytest.raises(ValueError, match="additional_config takes setting names"):
+        Config(additional_config={3: "x"})
+
+
+def test_plugin_settings_are_declared_and_checked_by_their_plugin():
+    """A setting a plugin declares (the GDN builder's state dtype, the spyre policy's chunk) is
+    checked by that plugin's own validators; one no plugin declares is named as unknown."""
+    from atom_core.plugins.options import check_plugin_options, declared_options
+
+    declared = declared_options()
+    assert {"gdn_state_dtype", "prefill_chunk_size", "max_batch_tkv_limit"} <= set(declared)
+    check_plugin_options({"gdn_state_dtype": "bfloat16", "max_batch_tkv_limit": 4096})
     with pytest.raises(ValueError, match="gdn_state_dtype must be one of 'float32', 'bfloat16', got 'fp8'"):
-        Config(gdn_state_dtype="fp8")
+        check_plugin_options({"gdn_state_dtype": "fp8"})
+    with pytest.raises(ValueError, match="max_batch_tkv_limit must be a positive integer, got -1"):
+        check_plugin_options({"max_batch_tkv_limit": -1})
+    with pytest.raises(TypeError, match="unknown plugin setting.*'gdn_state_dtyp'.*gdn_state_dtype"):
+        check_plugin_options({"gdn_state_dtyp": "bfloat16"})
 
 
 def test_validation_also_runs_on_assignment():

@@ -1,4 +1,4 @@
-"""Direct module calls (atom_core/direct_calls.py): the eager path skips nn.Module.__call__'s
+"""Direct module calls (atom_core/runner/direct_calls.py): the eager path skips nn.Module.__call__'s
 machinery, and nothing a user of the modules can see changes: classes, state, instance
 forwards, hooks registered before or after. Every parity test runs models through it too."""
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet CPU kernels (atom_attention/gdn_ops.py) against references."""
+"""Gated DeltaNet CPU kernels (atom_attention/gdn/ops.py) against references."""
 
 from __future__ import annotations
 

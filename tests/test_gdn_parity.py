@@ -165,7 +165,9 @@ def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
     assert (len(layers["mha"]), len(layers["gdn"])) == (12, 36)
 
     def runner(state_dtype):
-        config = SimpleNamespace(kv_cache_block_size=16, gdn_state_dtype=state_dtype, enable_prefix_caching=False)
+        config = SimpleNamespace(
+            kv_cache_block_size=16, additional_config={"gdn_state_dtype": state_dtype}, enable_prefix_caching=False
+        )
         return BuilderContext(config=config, hf_config=cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
 
     mha = MHAMetadataBuilder(runner("float32"), layers["mha"])

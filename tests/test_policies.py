@@ -272,12 +272,18 @@ def test_a_policy_that_schedules_nothing_is_an_error_not_a_hang(plugin_manager):
 
 
 def test_config_checks_chunk_settings():
+    def spyre(**config):
+        return Scheduler(Config(scheduling_policy="spyre", num_kvcache_blocks=64, **config)).policy
+
     with pytest.raises(ValueError, match="prefill_chunk_size must be a multiple of kv_cache_block_size=16, got 100"):
-        Config(prefill_chunk_size=100)
+        spyre(additional_config={"prefill_chunk_size": 100})
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive integer, got 0"):
+        spyre(additional_config={"prefill_chunk_size": 0})
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be 0 .* got 8"):
         Config(long_prefill_token_threshold=8)
-    assert Config(max_num_batched_tokens=100).chunk_size == 96
-    assert Config(max_num_batched_tokens=8).chunk_size == 16
+    assert spyre(max_num_batched_tokens=100).chunk_size == 96
+    with pytest.raises(ValueError, match="prefill chunk of 16 tokens .* exceeds max_num_batched_tokens=8"):
+        spyre(max_num_batched_tokens=8)  # the chunk is at least one block
     assert Config().scheduling_policy == "mixed" and Config().enable_chunked_prefill is True
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 from conftest import make_seq
 
 from atom_core import Config, ScheduledBatchOutput, Scheduler, SpeculativeConfig
-from atom_core.sched.policies.spyre import batch_tkv_volume
+from atom_core.sched.policies.spyre import SpyreOptions, batch_tkv_volume
 
 BS = 16
 
@@ -17,7 +18,9 @@ def spyre(**config) -> Scheduler:
     config.setdefault("num_kvcache_blocks", 128)
     config.setdefault("prefill_chunk_size", 64)
     config.setdefault("max_model_len", 2048)
-    return Scheduler(Config(scheduling_policy="spyre", **config))
+    own = {f.name for f in attrs.fields(SpyreOptions)}  # the policy's settings, not Config's
+    options = {k: config.pop(k) for k in list(config) if k in own}
+    return Scheduler(Config(scheduling_policy="spyre", additional_config=options, **config))
 
 
 def run_step(sched: Scheduler):

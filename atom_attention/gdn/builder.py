@@ -30,6 +30,7 @@ from atom_core.plugin_api import (
     AttentionMetadataBuilder,
     KVCacheTensor,
     ScheduledBatch,
+    one_of,
 )
 
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,10 +120,19 @@ def _conv_state_at(conv0: torch.Tensor | None, x: torch.Tensor, offset: int, ker
     return torch.cat((conv0.to(tail.dtype), tail), dim=-1)[:, -k1:]
 
 
+@attrs.frozen(kw_only=True)
+class GDNOptions:
+    """The GDN builder's settings (`Config.additional_config`, or by name to `LLMEngine`)."""
+
+    # Precision of the per-request state: "float32" (exact) or "bfloat16" (half the memory).
+    gdn_state_dtype: str = attrs.field(default="float32", validator=one_of(("float32", "bfloat16")))
+
+
 class GDNMetadataBuilder(AttentionMetadataBuilder):
     """No paged blocks; one conv + one recurrent state per GDN layer per request slot."""
 
     impl_cls: type | None = GDNImpl
+    options_class = GDNOptions
 
     def __init__(self, context, layers):
         super().__init__(context, layers)
@@ -130,10 +140,7 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
         if len(shapes) != 1:
             raise ValueError(f"GDN layers of one model must share their state shapes; got {sorted(shapes)}")
         self.conv_dim, self.kernel_size, self.num_v_heads, self.head_k_dim, self.head_v_dim = shapes.pop()
-        name = getattr(self.config, "gdn_state_dtype", "float32")
-        if name not in _STATE_DTYPES:
-            raise ValueError(f"gdn_state_dtype {name!r} is not supported; choose one of {sorted(_STATE_DTYPES)}")
-        self.state_dtype = _STATE_DTYPES[name]
+        self.state_dtype = _STATE_DTYPES[self.options.gdn_state_dtype]
         self.impl = self.impl_cls()
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None

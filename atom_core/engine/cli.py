@@ -65,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help='draft-and-verify decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
+    gen.add_argument(
+        "--additional-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="settings a plugin declares, e.g. '{\"max_batch_tkv_limit\": 8192}' for the spyre policy",
+    )
 
     fetch = sub.add_parser("fetch", help="install the default model (SmolLM2-135M-Instruct) into the cache")
     fetch.add_argument("--cache-dir", default=None, help="default: $ATOM_CACHE_DIR or ~/.cache/atom")
@@ -174,6 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
         "quantization",
         "speculative_config",
         "sampler",
+        "additional_config",
     ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config, check_device
+from atom_core.plugins.options import check_plugin_options, declared_options
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 from atom_core.sched.scheduler import Scheduler
@@ -96,15 +97,12 @@ def _is_token_list(prompt: Any) -> bool:
 
 
 class LLMEngine:
-    """`LLMEngine(model=None, **config)`: keywords are `Config` fields (dtype, device, ...)."""
+    """`LLMEngine(model=None, **config)`: keywords are `Config` fields (dtype, device, ...) or
+    settings a plugin declares (`prefill_chunk_size` of the spyre policy, ...), which go into
+    `Config.additional_config`."""
 
     def __init__(self, model: str | Path | None = None, **kwargs: Any):
-        unknown = sorted(set(kwargs) - _CONFIG_FIELDS)
-        if unknown:
-            raise TypeError(
-                f"unknown LLMEngine option(s) {', '.join(map(repr, unknown))}; "
-                f"options are Config fields: {', '.join(sorted(_CONFIG_FIELDS - {'model'}))}"
-            )
+        kwargs = self._route_plugin_settings(kwargs)
         from transformers import AutoConfig
 
         check_device(Config(**kwargs).device)  # bad settings are named before a GGUF file is converted
@@ -130,6 +128,26 @@ class LLMEngine:
         self._requests: dict[int, _Request] = {}
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
         self.timings = self.runner.timings  # seconds per phase, summed over steps
+
+    @staticmethod
+    def _route_plugin_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` with the names that are no `Config` field moved into `additional_config`,
+        each checked against the settings the installed plugins declare (before any model loads)."""
+        extra = {k: kwargs[k] for k in kwargs if k not in _CONFIG_FIELDS}
+        settings = {**(kwargs.get("additional_config") or {}), **extra}
+        try:
+            check_plugin_options(settings)
+        except TypeError:
+            declared = sorted(declared_options())
+            unknown = sorted(set(settings) - set(declared))
+            raise TypeError(
+                f"unknown LLMEngine option(s) {', '.join(map(repr, unknown))}; options are Config fields: "
+                f"{', '.join(sorted(_CONFIG_FIELDS - {'model'}))}; and plugin settings: {', '.join(declared)}"
+            ) from None
+        kwargs = {k: v for k, v in kwargs.items() if k in _CONFIG_FIELDS}
+        if settings:
+            kwargs["additional_config"] = settings
+        return kwargs
 
     @staticmethod
     def _model_defaults(config: Config, hf_config: Any, folder: Path) -> dict[str, Any]:

@@ -1,25 +1,13 @@
 """Linear layers whose GEMM is picked once the weights are loaded (vLLM's `process_weights_after_loading`).
 
-On CPU, float32 weights (and bfloat16 ones where oneDNN has bfloat16 kernels: AVX-512 or
-AVX-NE-CONVERT) are repacked once into oneDNN's blocked layout and multiplied by oneDNN.
-Without those, bfloat16 weights stay bfloat16, in the streaming kernel's tiled layout, and
-that kernel serves every row count. torch's float32 `F.linear` runs through MKL, which on the AMD EPYC
-machines we measure is 1.2-1.4x slower than packed oneDNN on the model's layer shapes
-and 2x on the vocab-sized LM head; for bfloat16 the packed weight is 1.2x faster than
-`F.linear` at 64 rows and 1.7x at one row (figures in README). The packed copy replaces
-the plain weight (a tied embedding then reads the streaming kernel's copy). Other devices keep
-`F.linear`. A kernel plugin replaces `pick_gemm`. A layer given a quantized weight
-(`quant`, see `quant.py`) takes `pick_quantized_gemm`'s kernel instead.
-
-At 1 to 8 rows (decode steps) a GEMM is a stream over its weight, which oneDNN reads well
-under the memory's pace, and up to 64 rows (batched decode) oneDNN still rereads the
-weight from memory at a lower pace than this kernel computes; the weight-streaming kernel
-in `csrc/gemv_cpu.cpp` reads it at or near the machine's copy bandwidth
-(`benchmarks/gemv_bandwidth.py`, README's Kernels), from its own copy of the weight in
-tiles of two vectors' rows (`gemv_weight`), placed in huge pages (`memory.weight_arena`) and kept beside the packed one: float weights take twice their
-size in memory on CPU (ATOM_DISABLE_GEMV=1 keeps one copy and the oneDNN path at every
-row count). An embedding tied to a streamed head reads its rows from the tiled copy
-(`StreamedEmbedding`), so a tied table is not held a third time.
+`process_weights_after_loading` asks `pick_gemm` (gemm.py) for a float weight's GEMM, or
+`pick_quantized_gemm` (quantized_gemm.py) for a layer given a quantized weight (`quant`,
+set by `atom_core.loading.quantize`); the kernel keeps the weight in the layout it reads
+(oneDNN's packed one, the streaming kernel's tiles, packed integer groups) and the plain
+weight is dropped. An output projection gets the greedy screen (argmax_screen.py) or, when
+quantized, `ExactTopLogits`. An embedding tied to a streamed head reads its rows from the
+head's tiled copy (`StreamedEmbedding`), so a tied table is not held a third time. Other
+devices keep `F.linear`. Why each kernel, with measurements: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class FusedMoE(nn.Module):
     """
 
     SHARD_PARAMS = {"gate": "w13", "up": "w13", "down": "w2"}
-    # One op in a compiled graph (atom_core/compile.py): grouping tokens by expert is data-dependent.
+    # One op in a compiled graph (atom_core/runner/compile.py): grouping tokens by expert is data-dependent.
     compile_opaque = True
 
     @property

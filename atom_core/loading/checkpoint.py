@@ -24,7 +24,7 @@ from torch import nn
 SKIP = ("", "skip")
 
 # A GGUF file's quantized blocks, kept beside a converted folder's float weights for
-# `quantization="auto"` (atom_core/layers/quant.py); not a checkpoint shard.
+# `quantization="auto"` (atom_core/layers/quantized_weight.py); not a checkpoint shard.
 GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # Buffers some checkpoints carry that models recompute.

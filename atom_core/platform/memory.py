@@ -10,9 +10,8 @@ steps that run before it finishes simply fault as before.
 
 Weights that decode steps stream (`weight_arena`, `resident`) go into huge pages too: on
 4 KiB pages a stream over SmolLM2's 538 MB of float32 weights crosses ~130k page edges a
-step, each a TLB miss and a stop for the hardware prefetcher. On 2 MiB pages the streaming
-GEMV read 13-17% faster here in fast-memory spells (1 to 8 rows, alternating), and
-batch-1 decode 6-14% faster (README, Kernels).
+step, each a TLB miss and a stop for the hardware prefetcher; on 2 MiB pages the stream
+reads faster (docs/kernels.md has the measurements).
 `ATOM_DISABLE_HUGE_PAGES=1` keeps every pool and weight on ordinary pages.
 """
 

@@ -20,6 +20,7 @@ import torch
 
 from atom_core.config import Config
 from atom_core.kv.layout import KVLayout, KVPoolPlan
+from atom_core.plugins.options import plugin_options
 
 if TYPE_CHECKING:
     from atom_core.sched.batch import ScheduledBatch
@@ -96,10 +97,14 @@ class AttentionMetadataBuilder:
     """
 
     impl_cls: type | None = None
+    # The builder's own settings: an attrs class read from `Config.additional_config`
+    # (atom_core/plugins/options.py); `self.options` is its instance, None without one.
+    options_class: type | None = None
 
     def __init__(self, context: BuilderContext, layers: list[torch.nn.Module]):
         self.context = context
         self.config = context.config
+        self.options: Any = plugin_options(type(self), context.config)
         self.hf_config = context.hf_config
         self.block_size: int = context.block_size
         self.dtype: torch.dtype = context.dtype

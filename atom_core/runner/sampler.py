@@ -4,7 +4,7 @@ Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draw
 `p` exactly. A seeded request draws its noise from a generator keyed by (seed, how many
 tokens it has generated), so its noise does not depend on what else is in the batch, on
 preemption, or on the order requests arrived; its tokens do not either wherever the
-logits do not (batch-invariant kernels; see README, Sampling).
+logits do not (batch-invariant kernels; see docs/usage.md, Sampling).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from atom_core.config import Config
+from atom_core.plugins.manager import get_registry
+from atom_core.plugins.options import plugin_options
 from atom_core.sequence import Sequence, SequenceStatus, SequenceType
 
 if TYPE_CHECKING:
@@ -23,8 +25,6 @@ if TYPE_CHECKING:
 
 def policy_class(name: str, pm: Any = None) -> type[SchedulingPolicy]:
     """The `SchedulingPolicy` subclass registered under `name` (`Config.scheduling_policy`)."""
-    from atom_core.plugins.manager import get_registry
-
     cls = get_registry("scheduler_policies", pm).get(name)
     if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
         raise TypeError(
@@ -40,9 +40,13 @@ class SchedulingPolicy:
 
     name = "base"
     reserved_blocks: tuple[int, ...] = ()
+    # The policy's own settings: an attrs class read from `Config.additional_config`
+    # (atom_core/plugins/options.py); `self.options` is its instance, None without one.
+    options_class: type | None = None
 
     def __init__(self, config: Config):
         self.config = config
+        self.options: Any = plugin_options(type(self), config)
 
     def schedule(self, step: StepBuilder) -> None:
         raise NotImplementedError

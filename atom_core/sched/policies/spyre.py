@@ -28,11 +28,27 @@ seed document's words:
 
 from __future__ import annotations
 
+import attrs
+
+from atom_core._validators import boolean, positive
 from atom_core.config import Config
 from atom_core.sched.policy import SchedulingPolicy, StepBuilder
 from atom_core.sequence import Sequence
 
 PAD_BLOCK = 0
+
+
+@attrs.frozen(kw_only=True)
+class SpyreOptions:
+    """The `spyre` policy's settings (`Config.additional_config`, or by name to `LLMEngine`)."""
+
+    # Tokens per prefill chunk (a multiple of kv_cache_block_size); None = max_num_batched_tokens
+    # floored to a block multiple.
+    prefill_chunk_size: int | None = attrs.field(default=None, validator=positive)
+    # No two prefill steps in a row while any request is decoding.
+    interleave_prefill_decode: bool = attrs.field(default=True, validator=boolean)
+    # Ceiling on batch_size x max tkv at every decode step (the hardware's KV volume).
+    max_batch_tkv_limit: int = attrs.field(default=131072, validator=positive)
 
 
 def batch_tkv_volume(rows: list[tuple[int, int]], block_size: int) -> int:
@@ -66,9 +82,18 @@ def batch_tkv_volume(rows: list[tuple[int, int]], block_size: int) -> int:
 class SpyrePolicy(SchedulingPolicy):
     name = "spyre"
     reserved_blocks = (PAD_BLOCK,)
+    options_class = SpyreOptions
 
     def __init__(self, config: Config):
         super().__init__(config)
+        options: SpyreOptions = self.options
+        bs = config.kv_cache_block_size
+        if options.prefill_chunk_size is not None and options.prefill_chunk_size % bs:
+            raise ValueError(
+                f"prefill_chunk_size must be a multiple of kv_cache_block_size={bs}, got {options.prefill_chunk_size}"
+            )
+        # The chunk: prefill_chunk_size, or the token budget floored to whole blocks (at least one block).
+        chunk_size = options.prefill_chunk_size or max(bs, config.max_num_batched_tokens // bs * bs)
         if config.speculative_config is not None:
             raise ValueError(
                 "scheduling_policy='spyre' does not support speculative decoding (sendnn-inference runs "
@@ -79,21 +104,21 @@ class SpyrePolicy(SchedulingPolicy):
                 "scheduling_policy='spyre' always prefills in chunks of prefill_chunk_size (sendnn-inference's "
                 "chunked prefill); enable_chunked_prefill=False is not supported with it"
             )
-        if config.chunk_size > config.max_num_batched_tokens:
+        if chunk_size > config.max_num_batched_tokens:
             raise ValueError(
-                f"the prefill chunk of {config.chunk_size} tokens (prefill_chunk_size={config.prefill_chunk_size}; "
+                f"the prefill chunk of {chunk_size} tokens (prefill_chunk_size={options.prefill_chunk_size}; "
                 f"unset: the budget floored to whole blocks, at least one) exceeds max_num_batched_tokens="
                 f"{config.max_num_batched_tokens}: a spyre prefill step runs one whole chunk within the token budget"
             )
-        if config.chunk_size > config.max_batch_tkv_limit:
+        if chunk_size > options.max_batch_tkv_limit:
             raise ValueError(
-                f"the prefill chunk of {config.chunk_size} tokens exceeds max_batch_tkv_limit="
-                f"{config.max_batch_tkv_limit}: every prompt is padded to whole chunks, so no request could run; "
+                f"the prefill chunk of {chunk_size} tokens exceeds max_batch_tkv_limit="
+                f"{options.max_batch_tkv_limit}: every prompt is padded to whole chunks, so no request could run; "
                 "lower prefill_chunk_size (or max_num_batched_tokens) or raise the limit"
             )
         self.block_size = config.kv_cache_block_size
-        self.chunk_size = config.chunk_size
-        self.limit = config.max_batch_tkv_limit
+        self.chunk_size = chunk_size
+        self.limit = options.max_batch_tkv_limit
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.last_step_was_prefill = False
@@ -149,7 +174,7 @@ class SpyrePolicy(SchedulingPolicy):
 
     def schedule(self, step: StepBuilder) -> None:
         decoding = step.decoding()
-        may_prefill = not (self.config.interleave_prefill_decode and self.last_step_was_prefill and decoding)
+        may_prefill = not (self.options.interleave_prefill_decode and self.last_step_was_prefill and decoding)
         if may_prefill and self._prefill(step, decoding):
             self.last_step_was_prefill = True
             return
