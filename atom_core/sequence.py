@@ -18,6 +18,21 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+class FinishReason(Enum):
+    """Why a request ended. The value is the `finish_reason` string results carry (a stop
+    token's is `stop_<id>`, an unschedulable request's the message saying why)."""
+
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"  # one of the model's or the request's stop token ids (`stop_reason`)
+    STOP_SEQUENCE = "stop_sequence"  # a stop token sequence
+    STOP = "stop"  # a stop string (`stop_reason`)
+    MAX_TOKENS = "max_tokens"
+    MAX_MODEL_LEN = "max_model_len"
+    ABORT = "abort"
+    ERROR = "error"  # its step's forward pass raised
+    UNSCHEDULABLE = "unschedulable"  # could never run under the settings (`finish_detail` says why)
+
+
 class SequenceType(Enum):
     DUMMY = auto()
     PREFILL = auto()
@@ -93,7 +108,9 @@ class Sequence:
         self.arrive_time = 0.0
         self.first_token_time = 0.0
         self.leave_time = 0.0
-        self.leave_reason = ""
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.finish_detail: str | None = None  # why an unschedulable request can never run
 
     def __len__(self) -> int:
         return self._num_tokens
@@ -124,6 +141,32 @@ class Sequence:
     @property
     def last_block_num_tokens(self) -> int:
         return self._num_tokens - (self.num_blocks - 1) * self.block_size
+
+    @property
+    def leave_reason(self) -> str:
+        """The finish reason as a string ("" while running): what results and streams carry."""
+        reason = self.finish_reason
+        if reason is None:
+            return ""
+        if reason is FinishReason.STOP_TOKEN:
+            return f"stop_{self.stop_reason}"
+        if reason is FinishReason.UNSCHEDULABLE:
+            return self.finish_detail or reason.value
+        return reason.value
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None, detail: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason, self.finish_detail = reason, stop_reason, detail
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (a finished request cut after its stop string)."""
+        if not self.num_prompt_tokens <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot truncate {self._num_tokens} tokens to {num_tokens}")
+        del self.token_ids[num_tokens:]
+        del self.logprobs[num_tokens - self.num_prompt_tokens :]
+        self._num_tokens = num_tokens
+        self.last_token = self.token_ids[-1]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
 
     @property
     def is_finished(self) -> bool:

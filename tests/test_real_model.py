@@ -160,8 +160,59 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
 def test_stop_string_ends_the_request_and_trims_the_text(engine, prompts):
     params = SamplingParams(temperature=0, max_tokens=64, stop_strings=["Paris"])
     r = engine.generate(prompts[0], params, use_tqdm=False)[0]
-    assert (r["finish_reason"], r["text"]) == ("stop", "The capital of France is ")
+    assert (r["finish_reason"], r["stop_reason"], r["text"]) == ("stop", "Paris", "The capital of France is ")
     assert engine.scheduler.block_manager.num_free_blocks == engine.kv_plan.num_blocks
+
+
+def test_a_stream_ends_at_the_stop_string_token_and_says_which(engine, prompts):
+    """The engine checks stop strings after the scheduler appends a step's tokens; a stream
+    consumer gets the tokens up to the one completing the string, then the end, once."""
+    from atom_core import RequestOutput
+
+    seen: list[RequestOutput] = []
+    params = SamplingParams(temperature=0, max_tokens=64, stop_strings=["Paris"])
+    rid = engine.add_request(prompts[0], params, stream_callback=seen.append)
+    results = []
+    while engine.has_unfinished_requests():
+        results += engine.step()
+    (r,) = results
+    assert r["request_id"] == rid and [t for o in seen for t in o.output_tokens] == r["token_ids"]
+    assert [o.finished for o in seen] == [False] * (len(seen) - 1) + [True]
+    assert seen[-1].finish_reason == "stop" and "Paris" in engine.tokenizer.decode(r["token_ids"])
+    assert "Paris" not in engine.tokenizer.decode(r["token_ids"][:-1])  # cut right after the completing token
+
+
+def test_a_stop_string_under_speculative_decoding_cuts_the_accepted_drafts(prompts):
+    """Verification appends several tokens a step; those past the stop string's token are
+    dropped, so the result is the one plain decoding gives."""
+    params = SamplingParams(temperature=0, max_tokens=64, stop_strings=["Paris"])
+    plain = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
+    want = plain.generate(prompts[0], params, use_tqdm=False)[0]
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    engine = LLMEngine(fetch_default_model(quiet=True), max_model_len=512, speculative_config=spec)
+    got = engine.generate(prompts[0], params, use_tqdm=False)[0]
+    assert (got["token_ids"], got["text"], got["finish_reason"]) == (want["token_ids"], want["text"], "stop")
+    assert engine.scheduler.block_manager.num_free_blocks == engine.kv_plan.num_blocks
+
+
+def test_tokens_past_a_stop_string_in_one_step_are_cut_and_never_streamed(engine):
+    """A step that appends several tokens (accepted drafts) and ends the request on a later
+    token id: the stop string, found earlier, wins, and what follows it is dropped."""
+    from atom_core.engine.output_processor import RequestState
+    from atom_core.sequence import FinishReason, Sequence
+
+    ids = engine.tokenizer.encode("It is Paris, of course.", add_special_tokens=False)
+    seq = Sequence([1, 2, 3], 16, SamplingParams(stop_strings=["Paris"], logprobs=0))
+    for t in ids:
+        seq.append_token(t)
+        seq.logprobs.append({t: -0.5})
+    seq.finish(FinishReason.MAX_TOKENS)
+    seen = []
+    engine.output_processor.process([RequestState(seq, None, seen.append)])
+    n = next(k for k in range(1, len(ids) + 1) if "Paris" in engine.tokenizer.decode(ids[:k]))
+    assert n < len(ids) and seq.completion_token_ids == ids[:n] and len(seq.logprobs) == n
+    assert (seq.finish_reason, seq.stop_reason, seq.leave_reason) == (FinishReason.STOP, "Paris", "stop")
+    assert [(o.output_tokens, o.finished, o.finish_reason) for o in seen] == [(ids[:n], True, "stop")]
 
 
 def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engine):
@@ -171,11 +222,15 @@ def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engin
     ids = engine.tokenizer.encode("🦒🦒🦒🦒", add_special_tokens=False)
     assert len(ids) >= 12
     seq = Sequence([1, 2, 3], 16, SamplingParams(stop_strings=["🦒🦒🦒"]))
+    find = engine.output_processor.stop_string_at
     for t in ids[:8]:
         seq.append_token(t)
-        assert not engine._hit_stop_string(seq)
+        assert find(seq, 1) is None
     seq.append_token(ids[8])
-    assert engine._hit_stop_string(seq)
+    assert find(seq, 1) == (9, "🦒🦒🦒")
+    for t in ids[9:]:
+        seq.append_token(t)
+    assert find(seq, 1) == (9, "🦒🦒🦒")  # the first length that completes it, not the last
 
 
 def test_cli_refuses_bad_sampling_flags_before_loading_a_model(capsys, tmp_path):

@@ -18,11 +18,12 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config, check_device
+from atom_core.engine.output_processor import OutputProcessor, RequestState
 from atom_core.plugins.options import check_plugin_options, declared_options
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 from atom_core.sched.scheduler import Scheduler
-from atom_core.sequence import Sequence
+from atom_core.sequence import FinishReason, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +78,6 @@ def text_config_of(hf_config: Any) -> Any:
     return text
 
 
-@attrs.define
-class _Request:
-    seq: Sequence
-    prompt: Any
-    num_cached_tokens: int | None = None
-
-
 def _is_token_id_like(value: Any) -> bool:
     """An integer (int, numpy integer), not a bool: what a prompt's token ids may be."""
     return not isinstance(value, bool) and hasattr(value, "__index__")
@@ -123,9 +117,8 @@ class LLMEngine:
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
         self.scheduler = Scheduler(self.config, plan=self.kv_plan)
-        if self.tokenizer is not None:
-            self.scheduler.stop_string_check = self._hit_stop_string
-        self._requests: dict[int, _Request] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self._requests: dict[int, RequestState] = {}
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
         self.timings = self.runner.timings  # seconds per phase, summed over steps
 
@@ -246,16 +239,20 @@ class LLMEngine:
             ids,
             self.config.kv_cache_block_size,
             params,
-            stream_callback=callback,
             has_per_req_cache=self.kv_plan.num_state_groups > 0,  # stateful attention (GDN)
         )
-        self._requests[seq.id] = _Request(seq, prompt)
+        state = self._requests[seq.id] = RequestState(seq, prompt, callback)
         self.scheduler.add(seq)
+        self.output_processor.emit(state)  # one that can never run ends here
         return seq.id
 
     def abort(self, request_id: int) -> bool:
         """Stop a request and free its blocks; False if it is not queued or running."""
-        return self.scheduler.abort(request_id) is not None
+        seq = self.scheduler.abort(request_id)
+        state = self._requests.get(request_id)
+        if seq is not None and state is not None:
+            self.output_processor.emit(state)
+        return seq is not None
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or ended ones whose results the next `step()` hands out
@@ -282,6 +279,7 @@ class LLMEngine:
                 # The step's requests end with finish_reason "error" (their results come
                 # from the next step()); every other request carries on.
                 self.scheduler.fail(batch, seqs)
+                self.output_processor.process(self._requests[r] for r in seqs if r in self._requests)
                 raise
             t1 = time.perf_counter()
             for rid, first in zip(batch.req_ids, batch.num_computed_tokens):
@@ -289,6 +287,7 @@ class LLMEngine:
                 if req.num_cached_tokens is None:  # its first step starts past the prefix it took from
                     req.num_cached_tokens = first  # the cache (a policy may recompute part of a hit)
             self.scheduler.postprocess(seqs, output)
+            self.output_processor.process(self._requests[r] for r in seqs if r in self._requests)
             self.timings["postprocess"] += time.perf_counter() - t1
             self.timings["steps"] += 1
         return self._collect(scheduled[1].values() if scheduled else ())
@@ -303,25 +302,19 @@ class LLMEngine:
         for seq in done:
             if seq.id not in seen and seq.id in self._requests:
                 seen.add(seq.id)
-                results.append(self._result(self._requests.pop(seq.id)))
+                state = self._requests.pop(seq.id)
+                self.output_processor.emit(state)  # ended outside a step (unschedulable): its end, once
+                results.append(self._result(state))
         return results
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # Every token carries at least one byte of text (a character may take several
-        # tokens: an emoji is three of a byte-level vocabulary), so a stop string of n
-        # UTF-8 bytes lies within the last n tokens: decode only the tail.
-        window = max(len(s.encode("utf-8")) for s in seq.stop_strings) + 4
-        tail = self.tokenizer.decode(seq.completion_token_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in seq.stop_strings)
-
-    def _result(self, req: _Request) -> dict[str, Any]:
+    def _result(self, req: RequestState) -> dict[str, Any]:
         seq = req.seq
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            if seq.leave_reason == "stop":
-                cut = min((i for i in (text.find(s) for s in seq.stop_strings) if i >= 0), default=len(text))
-                text = text[:cut]
+            if seq.finish_reason is FinishReason.STOP:  # the text up to its stop string
+                cut = text.find(str(seq.stop_reason))
+                text = text[:cut] if cut >= 0 else text
         n = seq.num_completion_tokens
         ttft = seq.first_token_time - seq.arrive_time if seq.first_token_time else None
         tpot = (seq.leave_time - seq.first_token_time) / (n - 1) if seq.first_token_time and n > 1 else None
@@ -331,6 +324,7 @@ class LLMEngine:
             "text": text,
             "token_ids": list(seq.completion_token_ids),
             "finish_reason": seq.leave_reason,
+            "stop_reason": seq.stop_reason,
             "num_prompt_tokens": seq.num_prompt_tokens,
             "num_cached_tokens": req.num_cached_tokens or 0,
             "logprobs": seq.logprobs if seq.sampling_params.logprobs is not None else None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from atom_core.compat import AtomSchedulerCounters, as_config
@@ -23,7 +23,7 @@ from atom_core.request import RequestOutput
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
 from atom_core.sched.policy import SchedulingPolicy, StepBuilder, policy_class
 from atom_core.sched.speculative import DraftGate, SpecStats, crowded, wanted_drafts
-from atom_core.sequence import Sequence, SequenceStatus, SequenceType
+from atom_core.sequence import FinishReason, Sequence, SequenceStatus, SequenceType
 
 logger = logging.getLogger("atom")
 
@@ -53,7 +53,6 @@ class Scheduler(AtomSchedulerCounters):
         self.mtp_k: int = config.num_speculative_tokens
         self.spec_stats = SpecStats(self.mtp_k)
         # Stop strings are text: the engine, which holds the tokenizer, sets this checker.
-        self.stop_string_check: Callable[[Sequence], bool] | None = None
         self._finished_outside_step: list[Sequence] = []
         self._queued: dict[int, Sequence] = {}  # every waiting or running request, by id
         self.policy: SchedulingPolicy = policy_class(config.scheduling_policy, pm)(config)
@@ -78,14 +77,16 @@ class Scheduler(AtomSchedulerCounters):
         if self.use_spec and seq.draft_gate is None:
             spec = self.config.speculative_config
             seq.draft_gate = DraftGate(spec.min_acceptance_rate, spec.draft_retry_after)
-        reason = self._unschedulable_reason(seq)
-        if reason is not None:
-            self._finish_outside_step(seq, reason)
+        why = self._unschedulable_reason(seq)
+        if why is not None:
+            self._finish_outside_step(seq, FinishReason.UNSCHEDULABLE, detail=why)
             return
         self._queued[seq.id] = seq
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+    def abort(
+        self, seq_id: int, reason: FinishReason = FinishReason.ABORT, stop_reason: int | str | None = None
+    ) -> Sequence | None:
         """Remove a waiting or running request and free its blocks; None if unknown.
 
         The engine also ends requests this way for reasons only it can see (a stop string).
@@ -95,10 +96,10 @@ class Scheduler(AtomSchedulerCounters):
             return None
         (self.waiting if seq.status == SequenceStatus.WAITING else self.running).remove(seq)
         self.block_manager.deallocate(seq)
-        self._finish_outside_step(seq, reason)
+        self._finish_outside_step(seq, reason, stop_reason)
         return seq
 
-    def fail(self, batch: ScheduledBatch, seqs: dict[int, Sequence], reason: str = "error") -> None:
+    def fail(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> None:
         """End every request of a step whose forward pass raised, freeing their blocks.
 
         Scheduling moved them past tokens that were never computed and published blocks
@@ -109,7 +110,7 @@ class Scheduler(AtomSchedulerCounters):
             seq = seqs[rid]
             if self._queued.get(rid) is seq:
                 self.block_manager.unpublish(seq, first)
-                self.abort(rid, reason)
+                self.abort(rid, FinishReason.ERROR)
 
     def peek_finished(self) -> list[Sequence]:
         """What `pop_finished` would return, left in place."""
@@ -164,11 +165,11 @@ class Scheduler(AtomSchedulerCounters):
         waiting = self.waiting
         while waiting:
             seq = waiting[0]
-            reason = self._unschedulable_reason(seq)  # a preempted request may have outgrown the pool
-            if reason is None:
+            why = self._unschedulable_reason(seq)  # a preempted request may have outgrown the pool
+            if why is None:
                 return seq
             waiting.popleft()
-            self._finish_outside_step(seq, reason)
+            self._finish_outside_step(seq, FinishReason.UNSCHEDULABLE, detail=why)
         return None
 
     def _passed_delay(self, now: float) -> bool:
@@ -292,14 +293,13 @@ class Scheduler(AtomSchedulerCounters):
                 if probs is not None and seq.spec_token_ids:
                     seq.spec_token_probs = probs[:n]
             if reason is not None:
-                seq.status = SequenceStatus.FINISHED
+                seq.finish(*reason)
                 seq.leave_time = now
-                seq.leave_reason = reason
                 self.block_manager.deallocate(seq)
                 self._queued.pop(seq.id, None)  # a request queued by hand was never in it
                 finished.append(seq)
             if stream_output_queue is not None or seq.stream_callback is not None:
-                out = self._emit(seq, reason)
+                out = self._emit(seq)
                 if stream_output_queue is not None:
                     outputs.append(out)
             else:
@@ -312,38 +312,40 @@ class Scheduler(AtomSchedulerCounters):
             stream_output_queue.put_nowait(outputs)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        """The seed's order: stop sequences, EOS, stop token ids (model's, then request's), max_tokens (then the context limit)."""
+    def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
+        """Why `seq` ends at `token_id`, with the stop token if one ended it; None if it goes on.
+
+        In ATOM's order: stop sequences, EOS, stop token ids (model's, then request's),
+        max_tokens, then the context limit. Stop strings are text: the engine checks them
+        (`atom_core.engine.output_processor`)."""
         num_tokens = seq._num_tokens
         num_completion = num_tokens - seq.num_prompt_tokens
         for stop in seq.stop_token_sequences:
             n = len(stop)
             if n <= num_completion and seq.token_ids[-n:] == stop:
-                return "stop_sequence"
-        if seq.stop_strings and self.stop_string_check is not None and self.stop_string_check(seq):
-            return "stop"
+                return FinishReason.STOP_SEQUENCE, None
         if not seq.ignore_eos:
             # The model's own stop ids (generation config) count as EOS, as in vLLM.
             if token_id == self.eos_token_id:
-                return "eos"
+                return FinishReason.EOS, None
             if token_id in self._stop_token_set:
-                return f"stop_{token_id}"
+                return FinishReason.STOP_TOKEN, token_id
         if token_id in seq.stop_token_ids:  # the request's own: ignore_eos does not lift them
-            return f"stop_{token_id}"
+            return FinishReason.STOP_TOKEN, token_id
         if num_completion >= seq.max_tokens:
-            return "max_tokens"
+            return FinishReason.MAX_TOKENS, None
         if self.max_model_len is not None and num_tokens >= self.max_model_len:
-            return "max_model_len"
+            return FinishReason.MAX_MODEL_LEN, None
         return None
 
-    def _emit(self, seq: Sequence, reason: str | None) -> RequestOutput:
+    def _emit(self, seq: Sequence) -> RequestOutput:
         """Hand new tokens to the request's callback; return the stream item."""
         params, new = seq.sampling_params, seq.output_tokens
         out = RequestOutput(
             request_id=seq.id,
             output_tokens=new,
-            finished=reason is not None,
-            finish_reason=reason,
+            finished=seq.is_finished,
+            finish_reason=seq.leave_reason or None,
             logprobs=None if params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new) :],
             prompt_logprobs=(
                 seq.prompt_logprobs
@@ -359,10 +361,11 @@ class Scheduler(AtomSchedulerCounters):
                 logger.exception("stream callback of request %s raised", seq.id)
         return out
 
-    def _finish_outside_step(self, seq: Sequence, reason: str) -> None:
+    def _finish_outside_step(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None, detail: str | None = None
+    ) -> None:
         self._queued.pop(seq.id, None)
-        seq.status = SequenceStatus.FINISHED
+        seq.finish(reason, stop_reason, detail)
         seq.leave_time = time.perf_counter()
-        seq.leave_reason = reason
         self._finished_outside_step.append(seq)
-        self._emit(seq, reason)
+        self._emit(seq)

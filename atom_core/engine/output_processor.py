@@ -1,0 +1,109 @@
+"""What happens to a step's tokens after the scheduler has appended them: stop strings, then
+what each request's stream callback receives.
+
+The scheduler ends requests on token ids (EOS, stop tokens, token sequences, lengths); a stop
+string is text, which only the engine can see, so the engine checks it here, after the
+scheduler's `postprocess`, token by token over what the step appended: a request that hits one
+is cut right after the token that completed it and ended with `FinishReason.STOP`, its stop
+string kept as its `stop_reason`. Stream callbacks are called here too, so a consumer never
+sees a token past a stop. The server's text streaming reuses this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from atom_core.request import RequestOutput
+from atom_core.sched.scheduler import Scheduler
+from atom_core.sequence import FinishReason, Sequence
+
+logger = logging.getLogger("atom")
+
+
+@attrs.define
+class RequestState:
+    """The engine's side of one request: what its consumer has been handed so far."""
+
+    seq: Sequence
+    prompt: Any
+    callback: Callable[[RequestOutput], None] | None = None
+    num_cached_tokens: int | None = None
+    num_emitted: int = 0  # completion tokens handed to the callback
+    num_checked: int = 0  # completion tokens checked for stop strings
+    final_sent: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+
+    def process(self, states: Iterable[RequestState]) -> None:
+        """Stop strings, then the stream callbacks, for the requests a step touched (or that
+        ended outside a step)."""
+        for state in states:
+            seq = state.seq
+            if seq.stop_strings and seq.num_completion_tokens > state.num_checked:
+                self._check_stop_strings(state)
+            self.emit(state)
+
+    def stop_string_at(self, seq: Sequence, start: int) -> tuple[int, str] | None:
+        """The first completion length n >= `start` whose text holds one of `seq.stop_strings`,
+        with that string; None if none does up to the sequence's end."""
+        tokens = seq.completion_token_ids
+        # Every token carries at least one byte of text (a character may take several tokens: an
+        # emoji is three of a byte-level vocabulary), so a stop string of n UTF-8 bytes lies
+        # within the last n tokens: decode only that tail.
+        window = max(len(s.encode("utf-8")) for s in seq.stop_strings) + 4
+        for n in range(max(start, 1), len(tokens) + 1):
+            tail = self.tokenizer.decode(tokens[max(0, n - window) : n], skip_special_tokens=True)
+            for s in seq.stop_strings:
+                if s in tail:
+                    return n, s
+        return None
+
+    def _check_stop_strings(self, state: RequestState) -> None:
+        seq = state.seq
+        hit = self.stop_string_at(seq, state.num_checked + 1)
+        state.num_checked = seq.num_completion_tokens
+        if hit is None:
+            return
+        length, stop = hit
+        if not seq.is_finished:
+            self.scheduler.abort(seq.id, FinishReason.STOP, stop)  # frees its blocks
+        else:  # ended later in the same step on a token id: the stop string came first
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        seq.truncate(seq.num_prompt_tokens + length)
+        state.num_checked = length
+
+    def emit(self, state: RequestState) -> None:
+        """Hand the request's consumer its tokens since the last call (and the end, once)."""
+        if state.callback is None or state.final_sent:
+            return
+        seq = state.seq
+        new = seq.completion_token_ids[state.num_emitted :]
+        if not new and not seq.is_finished:
+            return
+        params = seq.sampling_params
+        out = RequestOutput(
+            request_id=seq.id,
+            output_tokens=new,
+            finished=seq.is_finished,
+            finish_reason=seq.leave_reason or None,
+            logprobs=None
+            if params.logprobs is None
+            else seq.logprobs[state.num_emitted : state.num_emitted + len(new)],
+            prompt_logprobs=(
+                seq.prompt_logprobs if params.prompt_logprobs is not None and new and state.num_emitted == 0 else None
+            ),
+        )
+        state.num_emitted += len(new)
+        state.final_sent = seq.is_finished
+        try:
+            state.callback(out)
+        except Exception:  # one consumer's bug must not stop everyone else's tokens
+            logger.exception("stream callback of request %s raised", seq.id)
