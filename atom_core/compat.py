@@ -1,9 +1,9 @@
-"""Compatibility with AMD's ATOM engine, in one place: what lets ATOM's own scheduler and
+"""Compatibility with AMD's ATOM engine, in one place: what lets AMD ATOM's own scheduler and
 block-manager tests drive Atom's, and nothing Atom itself needs.
 
-- `as_config` / `ConfigView`: ATOM's tests build the Scheduler and BlockManager from ad-hoc
+- `as_config` / `ConfigView`: AMD ATOM's tests build the Scheduler and BlockManager from ad-hoc
   config objects carrying a few fields; read as a `Config`, a missing field takes its default.
-- `AtomSchedulerCounters`: the draft counters ATOM's scheduler exposes, and its
+- `AtomSchedulerCounters`: the draft counters AMD ATOM's scheduler exposes, and its
   `update_spec_stats` for a caller that verifies drafts outside `postprocess`.
 See docs/atom-compatibility.md.
 """
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class AtomSchedulerCounters:
-    """ATOM's speculative-decoding counters on its `Scheduler` (a mixin: the scheduler keeps
+    """AMD ATOM's speculative-decoding counters on its `Scheduler` (a mixin: the scheduler keeps
     the counts in `spec_stats`, with vLLM's meanings)."""
 
     spec_stats: SpecStats
@@ -36,22 +36,22 @@ class AtomSchedulerCounters:
         return self.spec_stats.num_accepted_tokens
 
     def update_spec_stats(self, num_accepted_tokens: int) -> None:
-        """ATOM's counter update, for a caller that verifies outside `postprocess` (which counts
+        """AMD ATOM's counter update, for a caller that verifies outside `postprocess` (which counts
         by itself): one request-step of `mtp_k` drafts, `num_accepted_tokens - mtp_k` of them
-        accepted, in ATOM's convention."""
+        accepted, in AMD ATOM's convention."""
         stats = self.spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += self.mtp_k
         stats.num_accepted_tokens += num_accepted_tokens - self.mtp_k
 
 
-# A stand-in without a `scheduling_policy` field is ATOM's config: ATOM's scheduler
+# A stand-in without a `scheduling_policy` field is AMD ATOM's config: AMD ATOM's scheduler
 # runs prompts and decodes in separate steps, Atom's `prefill_first`.
 _STAND_IN_DEFAULTS = {"scheduling_policy": "prefill_first"}
 
 
 class ConfigView:
-    """Any object carrying some of `Config`'s fields (ATOM's tests drive its Scheduler and
+    """Any object carrying some of `Config`'s fields (AMD ATOM's tests drive its Scheduler and
     BlockManager with such stand-ins), read as a `Config`: a field it lacks takes Config's
     default, and Config's derived values (`chunk_size`, `num_speculative_tokens`) are
     computed from it. Nothing is validated: the object is taken as its author built it."""

@@ -1,4 +1,4 @@
-"""Engine configuration: one attrs class whose fields and defaults follow ATOM's Config."""
+"""Engine configuration: one attrs class whose fields and defaults follow AMD ATOM's Config."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from atom_core._validators import (
 
 def _block_size(inst: object, attr: attrs.Attribute, value: object) -> None:
     # Paged-attention kernels tile the block in 16-token steps; 1 is the degenerate
-    # "one token per page" layout that ATOM also allows.
+    # "one token per page" layout that AMD ATOM also allows.
     if not isinstance(value, int) or isinstance(value, bool) or not (value == 1 or (value > 0 and value % 16 == 0)):
         raise ValueError(f"{attr.name} must be a positive multiple of 16 or exactly 1, got {value!r}")
 

@@ -1,6 +1,6 @@
 """Per-step metadata that attention layers read without it being threaded through every call.
 
-Set by the model runner before each forward and reset after, as in ATOM: models keep the
+Set by the model runner before each forward and reset after, as in AMD ATOM: models keep the
 plain `forward(input_ids, positions)` signature, and attention backends find the step's
 slot mapping and block tables here.
 """
@@ -29,7 +29,7 @@ class ForwardContext:
     context: Context = attrs.field(factory=Context)
     spec_decode_metadata: Any = None
     kv_cache_data: dict[str, Any] = attrs.field(factory=dict)
-    # ATOM's data-parallel metadata; Atom runs one process, so it stays None.
+    # AMD ATOM's data-parallel metadata; Atom runs one process, so it stays None.
     dp_metadata: Any = None
     # Only the argmax of this step's logits is read (every sampling row greedy, no log
     # probabilities): an LM head may leave entries that cannot be the maximum at -inf

@@ -218,8 +218,8 @@ def recurrent_gated_delta_rule_step(
     Both reads of the old state (``k^T S`` and ``q^T S``) are one matmul, using
     ``q^T S_new = exp(g) q^T S_old + (q.k) delta``, and the update is one fused rank-1
     ``baddbmm_``. On CPU each request's pool row is updated directly through a view (no
-    gather/scatter copies of the states: measured ~4x faster at B=64 than gather +
-    ``index_copy_``, whose big temporaries also page-fault); on other devices the rows are
+    gather/scatter copies of the states, which are slower than the arithmetic they feed
+    and whose big temporaries page-fault); on other devices the rows are
     gathered once and written back once with ``index_copy_`` (no host sync on ``slots``).
 
     Args: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv];

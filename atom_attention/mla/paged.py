@@ -5,10 +5,9 @@ head), every head attends to the shared latent rows `[c_kv | k_pe]` with the val
 `c_kv` itself, and W_UV maps the result to `v_head_dim`. It reads 576 values a cached token
 (DeepSeek-V3) instead of 128 heads x 320. Expanded: a prompt chunk's keys and values are
 rebuilt from the latents through `kv_b_proj` and attended as ordinary MHA; with many
-queries per key that costs fewer flops than the absorbed path's 576-wide scores. Measured
-(`benchmarks/mla_paths.py`, one layer, bf16, one thread), expanded prefill is the faster:
-16 heads, 48 / 256 / 1024 new tokens: 2.4 / 18 / 278 ms expanded against 5.0 / 40 / 642
-absorbed; 48 new over 1024 cached 38 against 55; at 128 heads 1.4-3x likewise. Both follow
+queries per key that costs fewer flops than the absorbed path's 576-wide scores, and
+`benchmarks/mla_paths.py` measures expanded prefill the faster at every size tried
+(figures in docs/architecture.md). Both follow
 transformers' numerics: scores `q_nope . k_nope + q_pe . k_pe` times the layer's scale,
 float32 softmax.
 """
@@ -191,10 +190,9 @@ class CpuMLAAttention(TorchMLAAttention):
     first `kv_lora_rank` values are the absorbed result (the 64 extra accumulated values
     cost about 11% of the accumulation, and no second pass over the rows). The kernel has a
     vectorised case for the 576-wide row. Against the torch path (which gathers each
-    request's blocks for two GEMMs), bf16, one thread, per layer: at 16 heads (V2-Lite) 2.1 /
-    16 / 28 / 71 ms against 1.9 / 15 / 64 / 122 for 1x1024, 16x1024, 64x512, 16x4096
-    (requests x context); at 128 heads (V3) the torch GEMMs, on the CPU's bf16 dot-product
-    instructions, stay ahead: 109 against 88 ms at 16x1024.
+    request's blocks for two GEMMs) it wins at 16 heads (V2-Lite) on long and many
+    contexts; at 128 heads (V3) the torch GEMMs, on the CPU's bf16 dot-product
+    instructions, stay ahead (`benchmarks/mla_paths.py`).
     """
 
     def __init__(self):

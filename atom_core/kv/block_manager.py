@@ -50,7 +50,7 @@ class BlockManager:
         """`plan`: the pool a model runner planned (`KVPoolPlan`); without one, the counts are
         `config`'s (`num_kvcache_blocks`, `num_per_req_cache_groups`, `gdn_checkpoint_slots`),
         which is how a BlockManager runs on its own."""
-        config = as_config(config)  # a stand-in with ATOM's fields works too
+        config = as_config(config)  # a stand-in with AMD ATOM's fields works too
         if plan is None:
             if config.num_kvcache_blocks is None:
                 raise ValueError(
@@ -220,7 +220,7 @@ class BlockManager:
         seq.num_computed_tokens = end if num_new_tokens is None else first + num_new_tokens
         if stateful:
             self._state_plans[seq.id] = load
-        # Full blocks are named whether or not prefix caching is on (as ATOM does); off, nothing looks them up.
+        # Full blocks are named whether or not prefix caching is on (as AMD ATOM does); off, nothing looks them up.
         self._hash_full_blocks(seq, min(end, seq.num_tokens) // self.block_size)
         if seq.has_per_req_cache and seq.per_req_cache_group == -1:
             group = self.per_req_cache_free_groups.popleft()

@@ -9,8 +9,8 @@ over each token's k slots). The only host sync is one read of the per-expert cou
 On CPU (float32, bfloat16) each expert's matrices are packed once into panels of output
 columns for oneDNN's batch-reduce micro-kernel, and a C++ loop (`csrc/moe_cpu.cpp`) hands
 whole experts to threads, each expert's gather, GEMMs, activation and weighting fused in
-one pass: 1.6-2x faster than giving every small GEMM all the threads, and than oneDNN's
-packed linear per expert at every row count (figures in the kernel's header). Elsewhere a
+one pass: faster than giving every small GEMM all the threads, and than oneDNN's packed
+linear per expert, at every row count measured (docs/kernels.md). Elsewhere a
 Python loop over the active experts does the same work with `F.linear`, or with each
 expert's quantized kernels when `Config.quantization` quantized them (`quant`).
 

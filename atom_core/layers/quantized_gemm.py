@@ -5,8 +5,7 @@ On CPU: the streaming kernel's `qgemm` for groups of 32 (4 or 8 bits); torch's
 `_weight_int4pack_mm_for_cpu` for other 4-bit groups and for 8-bit groups (run exactly as
 two 4-bit halves; at batch 1 faster than the per-channel kernel, and groups of 32 cost no
 perplexity where per channel cost some on SmolLM2), `_weight_int8pack_mm` for 8 bits per
-channel. torch's kernels take bfloat16 activations (with float32 ones they measured 10-100x
-slower); the model's own dtype runs between GEMMs. Elsewhere the weight is dequantized once
+channel. torch's kernels take bfloat16 activations (with float32 ones they run far slower); the model's own dtype runs between GEMMs. Elsewhere the weight is dequantized once
 and runs as a float weight. An LM head's kernel is wrapped in `ExactTopLogits`.
 """
 

@@ -1,9 +1,8 @@
 """Host memory for long-lived pools and streamed weights: pages mapped ahead of use, in huge pages where Linux allows.
 
 A KV pool is written a few rows at a time for the whole run. Left to fault in lazily,
-each first write to a 4 KiB page traps in the middle of a step: on the VM we measure that
-cost 6.5 ms of a 180 ms decode step (64 requests, SmolLM2) and about 1 s of a 10k-token
-prefill. vLLM pays it at startup with `torch.zeros`. Here a background thread maps the
+each first write to a 4 KiB page traps in the middle of a step (a measurable share of a
+decode step, and of a long prefill: docs/kernels.md). vLLM pays it at startup with `torch.zeros`. Here a background thread maps the
 pool with one `madvise(MADV_POPULATE_WRITE)` call (the GIL is released meanwhile), over
 2 MiB pages when transparent huge pages are on "madvise": startup does not wait, and
 steps that run before it finishes simply fault as before.

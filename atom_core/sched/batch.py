@@ -59,7 +59,7 @@ class ScheduledBatch:
             self.context_lens = [f + 1 for f in num_computed_tokens]
         else:
             self.context_lens = [f + n for f, n in zip(num_computed_tokens, num_scheduled_tokens)]
-        # The sequences' own tables, as ATOM passes them: valid until the next schedule().
+        # The sequences' own tables, as AMD ATOM passes them: valid until the next schedule().
         self.block_tables = [s.block_table for s in values]
         self._seqs = values
         self.temperatures = [s.temperature for s in values]
@@ -87,7 +87,7 @@ class ScheduledBatch:
 
     @property
     def last_block_num_tokens(self) -> list[int]:
-        """Tokens in each request's last block (ATOM's field; computed when asked)."""
+        """Tokens in each request's last block (AMD ATOM's field; computed when asked)."""
         return [s.last_block_num_tokens for s in self._seqs]
 
     def _flatten(self, values: list[Sequence]) -> None:

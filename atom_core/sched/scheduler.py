@@ -31,7 +31,7 @@ logger = logging.getLogger("atom")
 class Scheduler(AtomSchedulerCounters):
     def __init__(self, config: Config, pm: Any = None, plan: KVPoolPlan | None = None):
         """`plan`: the KV pool a model runner planned; without one, `config`'s counts (`BlockManager`)."""
-        config = as_config(config)  # a stand-in with ATOM's fields works too
+        config = as_config(config)  # a stand-in with AMD ATOM's fields works too
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -315,7 +315,7 @@ class Scheduler(AtomSchedulerCounters):
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
         """Why `seq` ends at `token_id`, with the stop token if one ended it; None if it goes on.
 
-        In ATOM's order: stop sequences, EOS, stop token ids (model's, then request's),
+        In AMD ATOM's order: stop sequences, EOS, stop token ids (model's, then request's),
         max_tokens, then the context limit. Stop strings are text: the engine checks them
         (`atom_core.engine.output_processor`)."""
         num_tokens = seq._num_tokens

@@ -1,4 +1,4 @@
-"""`prefill_first`: ATOM's policy. A step runs prompts if any can run, else every decode."""
+"""`prefill_first`: AMD ATOM's policy. A step runs prompts if any can run, else every decode."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Hardware with static shapes (IBM Spyre) runs either one prefill chunk of one request or
 one decode step of the whole batch, over a rectangular block table. The rules, in the
-seed document's words:
+words of its design notes:
 
 - One prefill at a time, one `prefill_chunk_size` chunk per prefill step; an ongoing
   prefill goes before any new request; with `interleave_prefill_decode`, no two prefill
@@ -12,7 +12,7 @@ seed document's words:
   Last chunk: room in the decode batch, every request's last tkv within
   `max_model_len` once the new request has realigned the batch, and the volumetric
   check `batch_size x max_tkv <= max_batch_tkv_limit` at every decode step ahead as the
-  batch shrinks in its finishing order (evaluated exactly: the seed's per-request
+  batch shrinks in its finishing order (evaluated exactly: sendnn-inference's per-request
   projection lets the product pass the limit when a short request runs beside a longer
   context, as sendnn-inference's later slack acknowledges).
 - Padding: a prompt is right-padded to a block boundary and left-padded with whole
@@ -59,7 +59,7 @@ def batch_tkv_volume(rows: list[tuple[int, int]], block_size: int) -> int:
     step. A row's tkv is its offset in its last block plus the batch's width in whole
     blocks before it, so max_tkv = (width - 1) * block_size + the largest offset, which
     between two departures peaks at the last step or at the last step where some row's
-    block is full (then max_tkv = width * block_size): both are evaluated. The seed's
+    block is full (then max_tkv = width * block_size): both are evaluated. sendnn-inference's
     projection (each request's own last tkv, sorted) misses that while a short request
     runs the batch's max tkv is another, longer-context request's.
     """
