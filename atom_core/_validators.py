@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """An int or a float, not a bool (True == 1 would pass for a number otherwise)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -10,7 +10,7 @@ See docs/atom-compatibility.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -67,13 +67,17 @@ class ConfigView:
             return _STAND_IN_DEFAULTS[name]
         field = attrs.fields_dict(Config).get(name)
         if field is not None:
-            return field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+            # attrs' stubs declare Factory a function (it is a class)
+            factory_type = cast("type[Any]", attrs.Factory)
+            return field.default.factory() if isinstance(field.default, factory_type) else field.default
         prop = getattr(Config, name, None)
         if isinstance(prop, property):
+            assert prop.fget is not None
             return prop.fget(self)
         raise AttributeError(f"{type(obj).__name__} has no {name!r}, and Config has no such field")
 
 
-def as_config(config: Any) -> Config | ConfigView:
-    """`config` itself if it is a `Config` (or a view already), else a `ConfigView` of it."""
-    return config if isinstance(config, (Config, ConfigView)) else ConfigView(config)
+def as_config(config: Any) -> Config:
+    """`config` itself if it is a `Config` (or a view already), else a `ConfigView` of it
+    (typed as the `Config` it reads as)."""
+    return cast(Config, config if isinstance(config, (Config, ConfigView)) else ConfigView(config))

@@ -7,9 +7,12 @@ from collections.abc import Callable
 from enum import Enum, auto
 from itertools import count
 from numbers import Integral
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atom_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atom_core.sched.speculative import DraftGate
 
 
 class SequenceStatus(Enum):
@@ -100,7 +103,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per generated token, when asked for
         self.prompt_logprobs: list[dict[int, float] | None] = [None]  # per prompt token; the first has none
         self.spec_token_probs = None  # the proposer's distributions for spec_token_ids, if it has them
-        self.draft_gate = None  # speculative decoding: whether this request keeps drafting (DraftGate)
+        self.draft_gate: DraftGate | None = None  # speculative decoding: whether this request keeps drafting
         self.num_placeholder = 0
         # Stateful attention (GDN) keeps one state group per request outside the paged pool.
         self.has_per_req_cache = has_per_req_cache

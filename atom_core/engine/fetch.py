@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 __all__ = ["DEFAULT_MODEL_NAME", "default_cache_dir", "default_model_gguf", "fetch_default_model"]
 
@@ -75,7 +76,7 @@ def _is_complete(folder: Path) -> bool:
 def _gguf_in(dist: importlib.metadata.Distribution) -> Path | None:
     for file in dist.files or ():
         if file.name.endswith(".gguf"):
-            path = Path(dist.locate_file(file))
+            path = Path(cast("os.PathLike[str]", dist.locate_file(file)))  # typeshed: a SimplePath
             if path.is_file():
                 return path
     return None

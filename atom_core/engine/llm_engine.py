@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -196,6 +196,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token {i} is {t!r}, not a token id")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+        assert self.config.max_model_len is not None  # set from the checkpoint in __init__
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
         return [int(t) for t in ids]
@@ -337,19 +338,19 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: str | list[int] | list[str | list[int]],
+        prompts: str | list[int] | SequenceABC[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """One result per prompt, in prompt order. Requests queued with `add_request` run
         alongside; their results stay for `step()` to return."""
         if isinstance(prompts, str) or _is_token_list(prompts):
-            prompts = [prompts]
+            prompts = [cast("str | list[int]", prompts)]
         elif not isinstance(prompts, SequenceABC):
             raise TypeError(
                 f"prompts must be a string, a list of token ids or a list of those, got {type(prompts).__name__}"
             )
-        prompts = list(prompts)
+        prompts = list(cast("SequenceABC[str | list[int]]", prompts))
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(
@@ -365,6 +366,7 @@ class LLMEngine:
     def _run(self, ids: list[int], use_tqdm: bool) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
 
+        results: dict[int, dict[str, Any]]
         wanted, results = set(ids), {}
         start, num_tokens = time.perf_counter(), 0
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
@@ -392,7 +394,10 @@ class LLMEngine:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Apply the model's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = cast(
+            "list[list[dict[str, str]]]",
+            [messages] if messages and isinstance(messages[0], dict) else list(messages),
+        )
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:

@@ -240,6 +240,7 @@ class BlockManager:
                     "no state checkpoint there (a policy must ask can_resume_at)"
                 )
             h = hashes[first // self.block_size - 1]
+            assert self.state_checkpoints is not None  # called for stateful requests only
             slot = self.state_checkpoints.slot(h)
             self.state_checkpoints.touch(h)
         return slot, num_kv * self.block_size

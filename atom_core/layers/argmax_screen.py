@@ -104,6 +104,7 @@ class ArgmaxScreen:
             self.build(bias)
             if not self.usable:
                 return None
+        assert self.kernel is not None  # built where usable
         xf = x.float().contiguous()
         bound = torch.linalg.vector_norm(xf, dim=1).mul_(self.per_norm).add_(xf.abs().amax(dim=1), alpha=self.per_max)
         if not math.isfinite(float(bound.max())):  # NaN or infinity in x

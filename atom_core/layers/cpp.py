@@ -162,7 +162,7 @@ class CppKernel:
         self._why.pop(variant_name, None)
         return module
 
-    def _unavailable(self, variant_name: str, why: str) -> None:
+    def _unavailable(self, variant_name: str, why: str) -> ModuleType | None:
         self._why[variant_name] = why
         logger.warning(
             "atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why
@@ -217,11 +217,11 @@ def build_all(
     """Build (or load from the cache) every declared kernel in each of `variants` (None: this
     CPU's), one build per core at a time; returns each variant's kernels' status."""
     kernels = list(declared_kernels().values()) if kernels is None else kernels
-    variants = [v or cpu_features().variant.name for v in variants]
-    jobs = [(k, v) for v in variants for k in kernels]
+    names = [v or cpu_features().variant.name for v in variants]
+    jobs = [(k, v) for v in names for k in kernels]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda job: job[0].load(job[1]), jobs))
-    return {v: {k.name: k.status(v) for k in kernels} for v in variants}
+    return {v: {k.name: k.status(v) for k in kernels} for v in names}
 
 
 def summary() -> str:

@@ -122,6 +122,7 @@ class StreamingGemm:
         """Rows of the weight as [len(index), K] (all of them when `index` is None)."""
         if index is None:
             index = torch.arange(self.out_features)
+        assert self.tiled is not None  # asked of a kernel that keeps its tiled copy
         return gemv_rows(self.tiled, index, self.in_features)
 
     def columns(self, x: torch.Tensor, cols: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -83,14 +83,15 @@ class Linear(nn.Linear):
                 self.quant, self.weight.device, self.weight.dtype, exact_top=self.is_lm_head
             )
             self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
-            self.weight = None
+            self.weight = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
             return
         self.gemm, weight = pick_gemm(self.weight)
         if self.is_lm_head:
             self.gemm = screen_lm_head(self.gemm)
         if weight is not self.weight:
             self.packed_weight = weight
-            self.weight = None  # the copies serve (a tied embedding reads the tiled one, `process_weights`)
+            # the copies serve (a tied embedding reads the tiled one, `process_weights`)
+            self.weight = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.packed_weight is None else self.packed_weight
@@ -103,7 +104,7 @@ def process_weights(model: nn.Module) -> None:
     tied = tied_embeddings(model)  # now: processing lets go of the heads' plain weights
     for m in model.modules():
         if hasattr(m, "process_weights_after_loading"):
-            m.process_weights_after_loading()
+            m.process_weights_after_loading()  # type: ignore[operator]  # stubs: Module attrs are Tensor | Module
     for name, head in tied:
         gemm = getattr(head, "gemm", None)
         kernel = getattr(gemm, "inner", gemm)  # an ArgmaxScreen wraps the streaming GEMM
@@ -122,12 +123,12 @@ def mark_lm_heads(model: nn.Module) -> None:
 def prepare_lm_head_screens(model: nn.Module) -> bool:
     """Make the 8-bit copies of `model`'s screened LM heads now (else the first screened step
     does); whether any head can screen."""
-    screens = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen)]
+    screens = [(m.gemm, m.bias) for m in model.modules() if isinstance(m, Linear) and isinstance(m.gemm, ArgmaxScreen)]
     with weight_arena():
-        for m in screens:
-            if m.gemm.kernel is None and m.gemm.usable:
-                m.gemm.build(m.bias)
-    return any(m.gemm.usable for m in screens)
+        for screen, bias in screens:
+            if screen.kernel is None and screen.usable:
+                screen.build(bias)
+    return any(screen.usable for screen, _ in screens)
 
 
 class MergedLinear(Linear):
@@ -144,9 +145,10 @@ class MergedLinear(Linear):
         for name, size in shards.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
-        self.weight.weight_loader = self.weight_loader
+        # the loader's hook, an attribute torch's Parameter stubs do not declare
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         offset, size = self.shard_offsets[shard]

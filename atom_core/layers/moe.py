@@ -152,7 +152,7 @@ class FusedMoE(nn.Module):
                 (pick_quantized_gemm(q13, device, dtype), pick_quantized_gemm(q2, device, dtype))
                 for q13, q2 in zip(*self.quant)
             ]
-            self.quant = self.w13 = self.w2 = None  # the kernels hold their own copies
+            self.quant = self.w13 = self.w2 = None  # type: ignore[assignment]  # the kernels hold their own copies
             return
         if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16):
             return
@@ -164,14 +164,14 @@ class FusedMoE(nn.Module):
             ]
             if all(isinstance(g[0], StreamingGemm) for pair in gemms for g in pair):
                 self.expert_gemms = gemms
-                self.w13 = self.w2 = None
+                self.w13 = self.w2 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
             return
         ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") else moe_ops()  # the micro-kernel is oneDNN's
         if ops is None or not ops.usable(self.w13):
             return
         self.packed = (pack_panels(self.w13.data, ops.PANEL), pack_panels(self.w2.data, ops.PANEL))
-        self.w13 = None
-        self.w2 = None
+        self.w13 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
+        self.w2 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         num_tokens, k = topk_ids.shape
@@ -181,9 +181,9 @@ class FusedMoE(nn.Module):
         weights = topk_weights.reshape(-1).to(torch.float32)
         if self.packed is not None:  # each token's weighted rows come back summed (in float32)
             x = hidden.to(self.packed[0].dtype).contiguous()
-            out = moe_ops().experts_forward(
-                x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size
-            )
+            ops = moe_ops()
+            assert ops is not None  # packed where the kernel loaded
+            out = ops.experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
             return out.to(hidden.dtype)
         token_of = order // k
         x = hidden.index_select(0, token_of)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -126,4 +127,4 @@ def near_max(x: torch.Tensor, base: torch.Tensor, eps: float) -> tuple[torch.Ten
         return ops.near_max_rows(x, base.to(torch.float32).contiguous(), eps)
     top = x.max(dim=1).values
     error = eps * (base + top.abs() + 1.0)
-    return (x >= (top - 2 * error).unsqueeze(1)).nonzero(as_tuple=True)
+    return cast("tuple[torch.Tensor, torch.Tensor]", (x >= (top - 2 * error).unsqueeze(1)).nonzero(as_tuple=True))

@@ -40,6 +40,7 @@ class Int4PackGemm:
             raise ValueError(f"torch's int4 kernel takes groups of {INT4_GROUP_SIZES}, not {qw.group_size}")
         if qw.bits == 4:
             scales, zeros = qw.scales, qw.zeros
+            assert zeros is not None  # 4 bits always have zeros
         else:
             scales = torch.cat([qw.scales * 16, qw.scales], dim=1)
             zeros = torch.cat([torch.zeros_like(qw.scales), qw.scales * 8], dim=1)
@@ -105,6 +106,7 @@ class StreamingGroupGemm:
         w = q * scale + min."""
         scales = qw.scales.to(torch.float16)
         if qw.bits == 4:  # q in 0..15
+            assert qw.zeros is not None  # 4 bits always have zeros
             return qw.qweight.to(torch.uint8), scales, (qw.zeros - 8 * qw.scales).to(torch.float16)
         # q + 128 in 0..255, min -128 scale
         return (qw.qweight.to(torch.int16) + 128).to(torch.uint8), scales, (-128 * scales.float()).to(torch.float16)
@@ -240,6 +242,7 @@ def pick_quantized_gemm(
     """
     if device.type == "cpu" and _cpu_kernels_available():
         try:
+            kernel: Int8PackGemm | StreamingGroupGemm | Int4PackGemm
             if qw.bits == 8 and qw.group_size == qw.shape[1]:
                 kernel = Int8PackGemm(qw)
             elif qw.group_size == 32 and (ops := gemv_ops()) is not None:

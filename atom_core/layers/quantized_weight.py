@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -42,7 +42,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        return cast("tuple[int, int]", tuple(self.qweight.shape))
 
     @property
     def format(self) -> str:
@@ -59,6 +59,7 @@ class QuantizedWeight:
             zeros = None if zeros is None else zeros[rows]
         grouped = q.reshape(*q.shape[:-1], -1, self.group_size).to(torch.float32)
         if self.bits == 4:
+            assert zeros is not None  # 4 bits always have zeros
             w = (grouped - 8).mul_(scales.unsqueeze(-1)).add_(zeros.unsqueeze(-1))
         else:
             w = grouped.mul_(scales.unsqueeze(-1))
@@ -79,6 +80,7 @@ class QuantizedWeight:
         u times this."""
         if self.bits == 8:
             return self.dequantize().abs_()
+        assert self.zeros is not None  # 4 bits always have zeros
         q = self.qweight.reshape(*self.shape[:-1], -1, self.group_size).to(torch.float32) - 8
         return (q.abs() * self.scales.unsqueeze(-1) + self.zeros.abs().unsqueeze(-1)).reshape(self.shape)
 
@@ -93,7 +95,7 @@ class QuantizedWeight:
         first = parts[0]
         if any((p.bits, p.group_size, p.shape[1]) != (first.bits, first.group_size, first.shape[1]) for p in parts):
             raise ValueError(f"cannot stack {', '.join(p.format for p in parts)} into one weight")
-        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        zeros = None if first.zeros is None else torch.cat([cast(torch.Tensor, p.zeros) for p in parts])
         origin = "+".join(sorted({p.origin for p in parts}))
         return QuantizedWeight(
             first.bits, first.group_size, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),

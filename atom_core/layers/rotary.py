@@ -88,6 +88,9 @@ INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _line
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_position`, looked up per token."""
 
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

@@ -19,6 +19,7 @@ class Router(Protocol):
         self,
         router_logits: torch.Tensor,
         top_k: int,
+        /,
         *,
         renormalize: bool,
         num_expert_group: int | None,
@@ -76,7 +77,9 @@ def _finish(weights: torch.Tensor, renormalize: bool, scale: float, eps: float =
     return weights * scale if scale != 1.0 else weights
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool, routed_scaling_factor: float, **_) -> tuple:
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, *, renormalize: bool, routed_scaling_factor: float, **_
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE (`norm_topk_prob`) and Mixtral (always renormalised): softmax in float32, top-k."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -104,7 +107,9 @@ def _groups(num_experts: int, num_expert_group: int | None, topk_group: int | No
     return num_expert_group, topk_group
 
 
-def greedy(logits: torch.Tensor, top_k: int, *, renormalize: bool, routed_scaling_factor: float, **_) -> tuple:
+def greedy(
+    logits: torch.Tensor, top_k: int, *, renormalize: bool, routed_scaling_factor: float, **_
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2 `greedy`: softmax in float32, top-k, times `routed_scaling_factor` (no renormalisation there)."""
     scores = logits.to(torch.float32).softmax(dim=-1)
     weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
@@ -120,7 +125,7 @@ def group_limited_greedy(
     topk_group: int | None,
     routed_scaling_factor: float,
     **_,
-) -> tuple:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2: a group scores its best expert; experts outside the `topk_group` best groups
     score 0 (not -inf, as transformers: with top_k above the kept experts a zero-weight one is picked)."""
     num_experts = logits.shape[-1]
@@ -142,7 +147,7 @@ def noaux_tc(
     routed_scaling_factor: float,
     correction_bias: torch.Tensor | None,
     **_,
-) -> tuple:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3: sigmoid scores; the correction bias steers selection (a group scores the sum of
     its two best biased scores) but the weights are the unbiased scores, renormalised (with
     `norm_topk_prob`) and times `routed_scaling_factor`. No groups given means one group."""

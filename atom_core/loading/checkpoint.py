@@ -78,7 +78,8 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                         param.data.copy_(tensor)
                 else:
                     try:
-                        param.weight_loader(param, tensor, shard)
+                        # set by the layer (MergedLinear, FusedMoE); torch's Parameter stubs do not declare it
+                        param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
                     except ValueError as e:
                         raise ValueError(f"checkpoint tensor {name!r} ({path.name}): {e}") from e
                 loaded.setdefault(id(param), set()).add(shard)

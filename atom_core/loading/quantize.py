@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -32,12 +32,12 @@ from atom_core.loading.gguf.blocks import load_blocks
 logger = logging.getLogger("atom")
 
 
-def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
+def quantizable_linears(model: nn.Module) -> dict[str, Linear]:
     """Every `Linear` of the model by name, but those a model marks `quantizable = False` (routers)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and getattr(m, "quantizable", True)}
 
 
-def quantizable_experts(model: nn.Module) -> dict[str, nn.Module]:
+def quantizable_experts(model: nn.Module) -> dict[str, FusedMoE]:
     """Every `FusedMoE` by name: each expert's two matrices are linear layers too."""
     return {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE) and getattr(m, "quantizable", True)}
 
@@ -84,11 +84,13 @@ def quantize_model(model: nn.Module, config: Any) -> None:
             if module.in_features % group:
                 per_channel.append(f"{name} (in_features {module.in_features})")
             module.quant = _quantize(module.weight, layer_mode, group)
-        for name, module in experts.items():
-            for param in (module.w13, module.w2):
+        for name, moe in experts.items():
+            for param in (moe.w13, moe.w2):
                 if param.shape[2] % group:
                     per_channel.append(f"{name} experts (in_features {param.shape[2]})")
-            module.quant = tuple([_quantize(w, mode, group) for w in param] for param in (module.w13, module.w2))
+            moe.quant = cast(
+                "tuple[list, list]", tuple([_quantize(w, mode, group) for w in param] for param in (moe.w13, moe.w2))
+            )
         if per_channel:
             logger.warning(
                 "atom: %d layers quantized to int8 per output channel, their in_features not a multiple of "
@@ -100,10 +102,11 @@ def quantize_model(model: nn.Module, config: Any) -> None:
 def _tie_embeddings(model: nn.Module) -> None:
     """Swap an embedding whose weight a quantized Linear shares for a lookup into the quantized weight."""
     for name, head in tied_embeddings(model):
-        if getattr(head, "quant", None) is None:
+        quant: QuantizedWeight | None = getattr(head, "quant", None)
+        if quant is None:
             continue
-        weight = model.get_submodule(name).weight
-        qw = head.quant if weight.device.type == "cpu" else head.quant.map_rows(lambda t: t.to(weight.device))
+        weight = cast(torch.Tensor, model.get_submodule(name).weight)  # an nn.Embedding's
+        qw = quant if weight.device.type == "cpu" else quant.map_rows(lambda t: t.to(weight.device))
         replace_embedding(model, name, QuantizedEmbedding(qw, weight.dtype))
 
 
@@ -136,7 +139,7 @@ def _requantized(weight: torch.Tensor, gguf_type: str) -> QuantizedWeight:
 
 
 def _from_gguf(
-    model: nn.Module, blocks: Path, linears: dict[str, nn.Module], experts: dict[str, nn.Module], config: Any
+    model: nn.Module, blocks: Path, linears: dict[str, Linear], experts: dict[str, FusedMoE], config: Any
 ) -> None:
     """Each Linear's (and each expert's) blocks from the converted GGUF: stacked as they are
     where every shard has a kernel format (one for all), requantized from the loaded float
@@ -151,7 +154,7 @@ def _from_gguf(
         by_param.setdefault(id(params[target[0]]), {})[target[1]] = (gguf_type, qw)
 
     kept: dict[str, int] = {}
-    requantized: dict[str, list[str]] = {}
+    requantized: dict[tuple[str, str], list[str]] = {}
 
     def from_blocks(name: str, parts: list, weight: torch.Tensor) -> QuantizedWeight | None:
         """One weight from its shards' blocks (in row order); None where the file holds it in float."""
@@ -188,15 +191,15 @@ def _from_gguf(
         offsets = getattr(module, "shard_offsets", None)  # a MergedLinear: its shards in row order
         order = sorted(offsets, key=lambda s: offsets[s][0]) if offsets else [None]
         module.quant = from_blocks(name, [shards.get(s) for s in order], module.weight)
-    for name, module in experts.items():
-        w13, w2 = by_param.get(id(module.w13), {}), by_param.get(id(module.w2), {})
+    for name, moe in experts.items():
+        w13, w2 = by_param.get(id(moe.w13), {}), by_param.get(id(moe.w2), {})
         quant = (
-            [from_blocks(f"{name}.{e}.w13", [w13.get(("gate", e)), w13.get(("up", e))], module.w13[e])
-             for e in range(module.num_experts)],
-            [from_blocks(f"{name}.{e}.w2", [w2.get(("down", e))], module.w2[e]) for e in range(module.num_experts)],
+            [from_blocks(f"{name}.{e}.w13", [w13.get(("gate", e)), w13.get(("up", e))], moe.w13[e])
+             for e in range(moe.num_experts)],
+            [from_blocks(f"{name}.{e}.w2", [w2.get(("down", e))], moe.w2[e]) for e in range(moe.num_experts)],
         )  # fmt: skip
         if all(q is not None for q in quant[0] + quant[1]):  # one format for the whole layer, or float
-            module.quant = quant
+            moe.quant = quant
     if kept:
         logger.info("atom: %s: kept %s as 4/8-bit weights", source,
                     ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))  # fmt: skip

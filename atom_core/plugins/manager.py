@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from typing import Any
 
 import pluggy
 
@@ -124,7 +125,7 @@ def get_registry(kind: str, pm: pluggy.PluginManager | None = None) -> Registry:
     return registry
 
 
-def list_plugins(pm: pluggy.PluginManager | None = None) -> list[dict[str, object]]:
+def list_plugins(pm: pluggy.PluginManager | None = None) -> list[dict[str, Any]]:
     """What each installed plugin provides, for `atom plugins` and debugging."""
     pm = pm or get_plugin_manager()
     rows = []

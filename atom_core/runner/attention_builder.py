@@ -192,8 +192,8 @@ class AttentionMetadataBuilder:
         tables = batch.block_tables
         max_blocks = max(len(t) for t in tables)
         block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = table
         slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
         if batch.pad_block is not None:
             # Cached positions a policy recomputes (spyre's boundary chunk) write to the padding

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -49,19 +49,20 @@ _next_key = itertools.count()
 @torch.library.custom_op("atom::opaque_layer", mutates_args=())
 def opaque_layer(inputs: list[torch.Tensor], key: int) -> torch.Tensor:
     """One module's eager forward (an attention layer writes its pool in place; nothing else reads it)."""
-    return _layers[key].eager_forward(*inputs)
+    # set by `_opaque` (nn.Module types its attributes Tensor | Module)
+    return cast("Callable[..., torch.Tensor]", _layers[key].eager_forward)(*inputs)
 
 
 @opaque_layer.register_fake
 def _(inputs: list[torch.Tensor], key: int) -> torch.Tensor:
-    return inputs[0].new_empty((inputs[0].shape[0], _layers[key].out_features))
+    return inputs[0].new_empty((inputs[0].shape[0], cast(int, _layers[key].out_features)))
 
 
 def _opaque(module: nn.Module) -> None:
     """Route `module`'s forward through `atom::opaque_layer` (its own forward stays `eager_forward`)."""
     key = next(_next_key)
     _layers[key] = module
-    module.eager_forward = module.forward
+    module.eager_forward = module.forward  # type: ignore[assignment]  # __setattr__ takes any value
 
     def forward(*inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.atom.opaque_layer(list(inputs), key)

@@ -52,6 +52,7 @@ def plan_kv_pool(
                 "to 1 or more, or enable_prefix_caching=False"
             )
         checkpoints = cfg.gdn_checkpoint_slots
+    assert cfg.max_model_len is not None  # the engine sets it from the checkpoint
     per_request = -(-cfg.max_model_len // bs)  # blocks for one full request (drafts stay inside them)
     # and for one with blocks for the k draft positions past its tokens too, which it takes only when free
     per_request_with_drafts = -(-(cfg.max_model_len + cfg.num_speculative_tokens) // bs)

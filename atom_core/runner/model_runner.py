@@ -126,6 +126,7 @@ class ModelRunner:
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:
         model = self.instantiate(lambda: model_cls(self.hf_config, self.config))
+        assert self.config.model is not None  # the engine's Config names the model folder
         return self.load_weights(model, self.config.model, quantize=True)
 
     def instantiate(self, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -214,7 +215,8 @@ class ModelRunner:
                 index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
                 # In the model's dtype; the sampler, the verifier and log probabilities widen them.
                 scored = hidden[torch.from_numpy(index).to(self.device)]
-                logits = self.model.compute_logits(scored)
+                # (the model's own method; torch's nn.Module stubs type attributes Tensor | Module)
+                logits = self.model.compute_logits(scored)  # type: ignore[operator]
         finally:
             reset_forward_context()
         t2 = time.perf_counter()
@@ -274,6 +276,7 @@ class ModelRunner:
                 rows = logits[torch.cat(parts).to(logits.device)]
             else:
                 rows = logits
+            assert self.verifier is not None  # drafts only come with speculative decoding
             verified = self.verifier(
                 rows.float(),
                 [drafts[i] for i in drafting],
@@ -291,7 +294,9 @@ class ModelRunner:
         logits = self._last_logits
         if self._last_hidden is not None:
             with torch.inference_mode():
-                logits = self.model.compute_logits(self._last_hidden)  # all rows at once: the step's kernel
+                # all rows at once: the step's kernel (the model's own method; torch's nn.Module
+                # stubs type attributes Tensor | Module)
+                logits = self.model.compute_logits(self._last_hidden)  # type: ignore[operator]
         if logits is None:
             return torch.empty((0, 0))
         return logits[torch.from_numpy(self._last_rows)].float()
@@ -334,7 +339,8 @@ class ModelRunner:
             if lo >= hi:
                 continue
             at = int(meta.query_start_loc_cpu[i]) - first
-            logits = self.model.compute_logits(hidden[at + lo : at + hi]).float()
+            # (the model's own method; torch's nn.Module stubs type attributes Tensor | Module)
+            logits = self.model.compute_logits(hidden[at + lo : at + hi]).float()  # type: ignore[operator]
             out[rid] = (lo + 1, token_logprobs(logits, seq.token_ids[lo + 1 : hi + 1], num_top))
         return out
 
@@ -380,6 +386,7 @@ class ModelRunner:
             next_token_ids=next_token_ids,
         )
         proposed = self.proposer.propose(inp)
+        assert self.config.speculative_config is not None  # a proposer runs
         method = self.config.speculative_config.method
         if len(proposed) != len(row_seqs):
             raise RuntimeError(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sized
+from typing import Any, cast
 
 from atom_core.compat import AtomSchedulerCounters, as_config
 from atom_core.config import Config
@@ -76,6 +76,7 @@ class Scheduler(AtomSchedulerCounters):
             seq.arrive_time = time.perf_counter()
         if self.use_spec and seq.draft_gate is None:
             spec = self.config.speculative_config
+            assert spec is not None  # use_spec
             seq.draft_gate = DraftGate(spec.min_acceptance_rate, spec.draft_retry_after)
         why = self._unschedulable_reason(seq)
         if why is not None:
@@ -252,7 +253,7 @@ class Scheduler(AtomSchedulerCounters):
         get_tokens = fwd_output.token_ids.get
         running, decode = SequenceStatus.RUNNING, SequenceType.DECODE
         stats, verified = self.spec_stats, False
-        busy = crowded(self.config.speculative_config, len(seqs)) if drafts else False
+        busy = crowded(self.config.speculative_config, len(cast(Sized, seqs))) if drafts else False
         prompt_logprobs, logprobs = fwd_output.prompt_logprobs, fwd_output.logprobs
         for seq in seqs:
             if prompt_logprobs and seq.id in prompt_logprobs and seq.status is running:

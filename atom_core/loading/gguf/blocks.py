@@ -156,18 +156,19 @@ def _write_blocks(reader: gguf.GGUFReader, source: str, folder: Path) -> Path:
             continue
         qw = _quantized_weight(tensor)
         if qw is not None and target.heads is not None:
-            qw = qw.map_rows(lambda t, h=target.heads: _unpermute(t, h).contiguous())
+            heads = target.heads
+            qw = qw.map_rows(lambda t: _unpermute(t, heads).contiguous())
         for hf_name, part in _expert_blocks(target.hf_name, qw, int(tensor.shape[-1]) if len(tensor.shape) > 2 else 1):
             weights[hf_name] = (gguf_type, part)
-    target = folder / GGUF_BLOCKS_FILE
+    path = folder / GGUF_BLOCKS_FILE
     tmp = folder / f".{GGUF_BLOCKS_FILE}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         save_blocks(weights, tmp, source=source)
         os.chmod(tmp, (folder / "config.json").stat().st_mode & 0o777)  # written 0600, like the weights
-        os.replace(tmp, target)
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return target
+    return path
 
 
 def _expert_blocks(
@@ -179,5 +180,6 @@ def _expert_blocks(
         return
     rows = qw.shape[0] // experts if qw is not None else 0
     for xid in range(experts):
-        part = None if qw is None else qw.map_rows(lambda t, a=xid * rows: t[a : a + rows].contiguous())
+        a = xid * rows
+        part = None if qw is None else qw.map_rows(lambda t: t[a : a + rows].contiguous())
         yield hf_name.format(xid=xid), part

@@ -187,11 +187,11 @@ def _plan(file: GGUFFile, arch: GGUFArchitecture, config: dict) -> dict[str, _Ta
                 plan[name] = _Target(joined[kind][0].format(bid=bid), kind, joined=joined[kind][1])
             continue
         entry = arch.tensors[kind]
-        template = entry.get(suffix) if isinstance(entry, Mapping) else f"{entry}.{suffix}"
-        if template is None:
+        hf_template = entry.get(suffix) if isinstance(entry, Mapping) else f"{entry}.{suffix}"
+        if hf_template is None:
             continue
         heads = int(config[arch.permuted_rows[kind]]) if kind in arch.permuted_rows else None
-        plan[name] = _Target(template.format(bid=bid, xid="{xid}"), kind, heads)
+        plan[name] = _Target(hf_template.format(bid=bid, xid="{xid}"), kind, heads)
     return plan
 
 

@@ -185,6 +185,7 @@ class SpyrePolicy(SchedulingPolicy):
 
     def _prefill(self, step: StepBuilder, decoding: list[Sequence]) -> bool:
         ongoing = step.prefilling()
+        seq: Sequence | None
         if ongoing:
             seq, new = ongoing[0], False
             first = seq.num_computed_tokens
