@@ -105,7 +105,7 @@ def test_kernels_off_and_no_compiler(tmp_path, monkeypatch):
 
 
 def test_atom_env_names_the_variant_of_each_kernel(capsys):
-    from atom_core.engine.cli import main
+    from atom_core.cli import main
     from atom_core.layers.cpp import kernels_enabled
     from atom_core.platform.cpu_features import cpu_features
 

@@ -234,7 +234,7 @@ def test_a_stop_string_of_characters_spanning_several_tokens_each_is_found(engin
 
 
 def test_cli_refuses_bad_sampling_flags_before_loading_a_model(capsys, tmp_path):
-    from atom_core.engine.cli import main
+    from atom_core.cli import main
 
     assert main(["generate", "--model", str(tmp_path / "no-such-model"), "--max-tokens", "0", "hi"]) == 2
     assert "max_tokens must be an integer >= 1, or None (up to max_model_len), got 0" in capsys.readouterr().err
@@ -254,7 +254,7 @@ def test_prefix_cache_serves_the_shared_chat_prefix(prompts):
 
 
 def test_cli_generate_streams_the_answer(capsys):
-    from atom_core.engine.cli import main
+    from atom_core.cli import main
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "256"]) == 0
     assert "The capital of France is Paris." in capsys.readouterr().out
@@ -265,7 +265,7 @@ def test_cli_runs_as_a_module():
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "atom_core.engine.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "atom_core.cli", "--help"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert "generate" in done.stdout

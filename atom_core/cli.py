@@ -87,13 +87,68 @@ def main(argv: list[str] | None = None) -> int:
         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)",
     )
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions, /v1/chat/completions)")
+    serve.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /tokenize")
+    serve.add_argument("--health-timeout", type=float, default=5.0, help="seconds /health waits for the engine")
+    add_config_flags(serve)
+
     args = parser.parse_args(argv)
     try:
-        commands = {"generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels}
+        commands = {
+            "generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels,
+            "serve": _serve,
+        }  # fmt: skip
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
         print(f"atom: error: {e}", file=sys.stderr)
         return 2
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Every `Config` field of a plain type as a kebab-case flag, its default in --help."""
+    import attrs
+
+    from atom_core.config import Config
+
+    for field in attrs.fields(Config):
+        if field.name in ("model", "stop_token_ids", "speculative_config", "additional_config"):
+            continue
+        default: Any = field.default
+        if hasattr(default, "factory"):  # attrs.Factory
+            default = default.factory()
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default: {default})")
+            continue
+        kind = type(default) if default is not None else (float if "memory_utilization" in field.name else int)
+        if field.name in ("dtype", "device", "quantization", "quantize_lm_head", "sampler", "scheduling_policy"):
+            kind = str
+        parser.add_argument(flag, type=kind, default=None, help=f"(default: {default})")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON")
+    parser.add_argument("--additional-config", type=_json_object, default=None, metavar="JSON")
+
+
+def config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    import attrs
+
+    from atom_core.config import Config
+
+    names = {f.name for f in attrs.fields(Config)} - {"model"}
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from atom_core.serve.server import serve
+
+    serve(
+        args.model, config_from_flags(args), host=args.host, port=args.port,
+        served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
+    )  # fmt: skip
+    return 0
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -228,5 +283,5 @@ def _stream(engine, prompt, params) -> None:
     print()
 
 
-if __name__ == "__main__":  # python -m atom_core.engine.cli
+if __name__ == "__main__":  # python -m atom_core.cli
     raise SystemExit(main())

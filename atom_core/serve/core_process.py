@@ -1,0 +1,152 @@
+"""An engine-core process: the scheduler, the runner and the step loop, talking token ids.
+
+Started by the API server (`multiprocessing` with spawn); it loads the model, says `Ready`,
+then loops: take every message waiting (blocking briefly when idle), run one step, send one
+`StepOutput` with each request's new tokens. A forward pass that raises ends only that
+step's requests (finish reason "error"); a frame that does not decode is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import msgspec
+import zmq
+
+from atom_core.serve.protocol import (
+    MAX_FRAME_BYTES,
+    AbortRequest,
+    AddRequest,
+    Delta,
+    Ping,
+    Pong,
+    Ready,
+    RequestError,
+    Shutdown,
+    StepOutput,
+    encoder,
+    to_core_decoder,
+)
+
+logger = logging.getLogger("atom")
+
+IDLE_POLL_MS = 50
+
+
+def run_core(model: str | None, config: dict[str, Any], in_address: str, out_address: str, threads: int) -> None:
+    """The process's main: load, say Ready, serve until `Shutdown` (or the parent's end)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "WARNING"))
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    inbox.connect(in_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(out_address)
+    try:
+        core = EngineCoreLoop(model, config)
+        outbox.send(encoder.encode(core.ready()))
+        core.serve(inbox, outbox)
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        context.term()
+
+
+class EngineCoreLoop:
+    def __init__(self, model: str | None, config: dict[str, Any]):
+        from atom_core.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(model, **config)
+        self.ids: dict[int, str] = {}  # engine request id -> the server's id
+        self.rids: dict[str, int] = {}
+        self.pending: list[Delta] = []
+
+    def ready(self) -> Ready:
+        engine = self.engine
+        assert engine.config.max_model_len is not None
+        return Ready(engine.config.max_model_len, engine.vocab_size, engine.kv_plan.num_blocks)
+
+    def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        engine = self.engine
+        while True:
+            timeout = 0 if engine.has_unfinished_requests() else IDLE_POLL_MS
+            while inbox.poll(timeout):
+                timeout = 0
+                try:
+                    message = to_core_decoder.decode(inbox.recv())
+                except msgspec.DecodeError as e:
+                    logger.warning("atom core: dropped a frame that is not a request: %s", e)
+                    continue
+                if isinstance(message, Shutdown):
+                    return
+                reply = self.handle(message)
+                if reply is not None:
+                    outbox.send(encoder.encode(reply))
+            if engine.has_unfinished_requests():
+                try:
+                    results = engine.step()
+                except Exception:  # the step's requests end with "error"; the others go on
+                    logger.exception("atom core: a step failed")
+                    results = []
+                self.finish(results)
+            if self.pending:
+                outbox.send(encoder.encode(StepOutput(self.pending)))
+                self.pending = []
+
+    def handle(self, message: Any) -> Any:
+        if isinstance(message, AddRequest):
+            return self.add(message)
+        if isinstance(message, AbortRequest):
+            rid = self.rids.get(message.id)
+            if rid is not None:
+                self.engine.abort(rid)
+            return None
+        if isinstance(message, Ping):
+            scheduler = self.engine.scheduler
+            return Pong(message.nonce, len(scheduler.running), len(scheduler.waiting))
+        return None
+
+    def add(self, message: AddRequest) -> RequestError | None:
+        from atom_core.sampling_params import SamplingParams
+
+        if message.id in self.rids:
+            return RequestError(message.id, f"request id {message.id!r} is already in flight")
+        try:
+            params = SamplingParams(**message.params)
+            sid = message.id
+            rid = self.engine.add_request(
+                message.prompt_token_ids, params, stream_callback=lambda out: self.collect(sid, out)
+            )
+        except (ValueError, TypeError) as e:
+            return RequestError(message.id, str(e))
+        self.ids[rid], self.rids[message.id] = message.id, rid
+        return None
+
+    def collect(self, sid: str, out: Any) -> None:
+        """A request's stream item: its new tokens, and its end."""
+        self.pending.append(
+            Delta(
+                sid, list(out.output_tokens), out.finished, out.finish_reason,
+                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+            )
+        )  # fmt: skip
+
+    def finish(self, results: list[dict[str, Any]]) -> None:
+        """Counts only a result has, onto the request's last delta; then forget the request."""
+        ended = {r["request_id"]: r for r in results}
+        for delta in self.pending:
+            rid = self.rids.get(delta.id)
+            r = ended.get(rid) if rid is not None else None
+            if delta.finished and r is not None:
+                delta.stop_reason = r["stop_reason"]
+                delta.num_prompt_tokens = r["num_prompt_tokens"]
+                delta.num_cached_tokens = r["num_cached_tokens"]
+        for rid in ended:
+            sid = self.ids.pop(rid, None)
+            if sid is not None:
+                self.rids.pop(sid, None)

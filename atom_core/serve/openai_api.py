@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health,
+tokenize / detokenize.
+
+The API server tokenizes, applies the chat template and detokenizes as tokens arrive; the
+engine core sees token ids only. Errors have OpenAI's shape, `{"error": {"message", "type",
+"param", "code"}}`, with messages naming the field, the value and the limit: a malformed or
+out-of-range body is a 400 (never FastAPI's 422), an unknown model a 404, a failed forward
+pass a 500, a dead engine core a 503. A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
+from atom_core.serve.protocol import Delta
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+# The engine's reasons mapped to OpenAI's two: the string or token that stopped it is `stop_reason`.
+LENGTH_REASONS = ("max_tokens", "max_model_len")
+REFUSED_FIELDS = ("best_of", "suffix")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
+    }
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason in LENGTH_REASONS else "stop"
+
+
+class TextStream:
+    """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
+    character or the start of a stop string that may yet complete."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.token_ids: list[int] = []
+        self.sent = 0  # characters handed out
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, delta: Delta) -> str:
+        self.token_ids += delta.token_ids
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if delta.finished:
+            if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
+                cut = text.find(delta.stop_reason)
+                text = text[:cut] if cut >= 0 else text
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
+                end -= 1
+        new, self.sent = text[self.sent : end], max(self.sent, end)
+        return new
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"{name} must be {names}, got {value!r}", name)
+    return value
+
+
+def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+    """SamplingParams fields from an OpenAI request body (vLLM's extras included); its own
+    validators name field, value and limit (checked again in the core)."""
+    from atom_core.sampling_params import SamplingParams
+
+    for name in REFUSED_FIELDS:
+        if body.get(name) is not None:
+            raise ApiError(400, f"{name} is not supported", name)
+    number = (int, float)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    params: dict[str, Any] = {
+        "temperature": _field(body, "temperature", number, 1.0),
+        "top_p": _field(body, "top_p", number, 1.0),
+        "top_k": _field(body, "top_k", (int,), -1),
+        "min_p": _field(body, "min_p", number, 0.0),
+        "presence_penalty": _field(body, "presence_penalty", number, 0.0),
+        "frequency_penalty": _field(body, "frequency_penalty", number, 0.0),
+        "repetition_penalty": _field(body, "repetition_penalty", number, 1.0),
+        "max_tokens": max_tokens,
+        "seed": _field(body, "seed", (int,)),
+        "stop_strings": stop or [],
+        "stop_token_ids": _field(body, "stop_token_ids", (list,), []),
+        "ignore_eos": _field(body, "ignore_eos", (bool,), False),
+    }
+    try:
+        SamplingParams(**params)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e)) from None
+    return params
+
+
+def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
+    app = FastAPI(title="Atom", docs_url=None, redoc_url=None)
+    ready = client.ready
+    assert ready is not None
+    max_model_len = ready.max_model_len
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(e)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(EngineDead)
+    async def _dead(request: Request, e: EngineDead) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e)), status_code=503)
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        model = body.get("model")
+        if model is not None and model != served_model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}", "model")
+        return body
+
+    def check_prompt(ids: list[int], max_tokens: int | None) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty: it must hold at least one token", "prompt")
+        bad = next((t for t in ids if not 0 <= t < ready.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token {bad} is outside the vocabulary [0, {ready.vocab_size})", "prompt")
+        if len(ids) + (max_tokens or 0) > max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt's {len(ids)} tokens plus max_tokens={max_tokens} exceed max_model_len={max_model_len}",
+                "max_tokens",
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await client.ping(health_timeout)
+        except EngineDead as e:
+            return JSONResponse(error_body(503, str(e)), status_code=503)
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "atom",
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await read_body(request)
+        if "messages" in body:
+            ids = chat_prompt(body)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, f"prompt must be a string, got {prompt!r}", "prompt")
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await read_body(request)
+        tokens = body.get("tokens")
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            raise ApiError(400, f"tokens must be a list of token ids, got {tokens!r}", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+    def chat_prompt(body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, f"messages must be a non-empty list, got {messages!r}", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a 'role' string, got {m!r}", "messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def prompts_of(body: dict[str, Any]) -> list[list[int]]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return [tokenizer.encode(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if isinstance(prompt, list) and prompt:
+            out = []
+            for p in prompt:
+                if isinstance(p, str):
+                    out.append(tokenizer.encode(p))
+                elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    out.append(list(p))
+                else:
+                    raise ApiError(400, f"prompt items must be strings or lists of token ids, got {p!r}", "prompt")
+            return out
+        raise ApiError(400, f"prompt must be a string, token ids, or a list of those, got {prompt!r}", "prompt")
+
+    async def run(
+        request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any]
+    ) -> Any:
+        for ids in prompts:
+            check_prompt(ids, params["max_tokens"])
+        created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = bool(body.get("stream"))
+        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
+        merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or exception), every choice at once
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in client.generate(f"{rid}-{i}", ids, params):
+                    merged.put_nowait((i, delta))
+            except Exception as e:  # RequestFailed, EngineDead: to the consumer
+                merged.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+
+        async def deltas() -> AsyncIterator[tuple[int, Delta]]:
+            """Every choice's deltas as they come, until each has finished; cancelling the pumps
+            (on leaving early) aborts their requests in the core."""
+            left = len(prompts)
+            try:
+                while left:
+                    i, item = await merged.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    left -= item.finished
+                    yield i, item
+            finally:
+                for task in tasks:
+                    task.cancel()
+
+        texts = [TextStream(tokenizer, params["stop_strings"]) for _ in prompts]
+        object_name = "chat.completion" if kind == "chat" else "text_completion"
+
+        def usage(finals: list[Delta | None], num_completion: int) -> dict[str, Any]:
+            prompt_tokens = sum(len(p) for p in prompts)
+            cached = sum(d.num_cached_tokens for d in finals if d is not None)
+            return {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": num_completion,
+                "total_tokens": prompt_tokens + num_completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+
+        if not stream:
+            finals: list[Delta | None] = [None] * len(prompts)
+            try:
+                async for i, delta in deltas():
+                    texts[i].add(delta)
+                    if delta.finished:
+                        finals[i] = delta
+            except RequestFailed as e:
+                raise ApiError(e.status, str(e)) from None
+            choices = []
+            for i, (text, final) in enumerate(zip(texts, finals)):
+                assert final is not None
+                content = text.text
+                if final.finish_reason == "stop" and isinstance(final.stop_reason, str):
+                    cut = content.find(final.stop_reason)
+                    content = content[:cut] if cut >= 0 else content
+                reason = openai_finish_reason(final.finish_reason)
+                if final.finish_reason == "error":
+                    raise ApiError(500, "the engine's forward pass failed for this request")
+                choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": final.stop_reason}
+                if kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": content}
+                else:
+                    choice["text"] = content
+                    choice["logprobs"] = None
+                choices.append(choice)
+            num_completion = sum(len(t.token_ids) for t in texts)
+            return {
+                "id": rid, "object": object_name, "created": created, "model": served_model_name,
+                "choices": choices, "usage": usage(finals, num_completion),
+            }  # fmt: skip
+
+        async def events() -> AsyncIterator[str]:
+            chunk_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+            def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+                body = {
+                    "id": rid,
+                    "object": chunk_name,
+                    "created": created,
+                    "model": served_model_name,
+                    "choices": choices,
+                }
+                return f"data: {json.dumps({**body, **extra})}\n\n"
+
+            finals: list[Delta | None] = [None] * len(prompts)
+            if kind == "chat":
+                for i in range(len(prompts)):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            try:
+                async for i, delta in deltas():
+                    if delta.finished and delta.finish_reason == "error":
+                        raise ApiError(500, "the engine's forward pass failed for this request")
+                    new = texts[i].add(delta)
+                    if new:
+                        piece = {"delta": {"content": new}} if kind == "chat" else {"text": new}
+                        yield chunk([{"index": i, **piece, "finish_reason": None}])
+                    if delta.finished:
+                        finals[i] = delta
+                        reason = openai_finish_reason(delta.finish_reason)
+                        end: dict[str, Any] = {"delta": {}} if kind == "chat" else {"text": ""}
+                        yield chunk([{"index": i, **end, "finish_reason": reason, "stop_reason": delta.stop_reason}])
+                if usage_wanted:
+                    yield chunk([], usage=usage(finals, sum(len(t.token_ids) for t in texts)))
+            except (ApiError, RequestFailed, EngineDead) as e:
+                status = getattr(e, "status", 503)
+                yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+            finally:  # a client gone mid-stream closes this generator: abort what still runs
+                for task in tasks:
+                    task.cancel()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await read_body(request)
+        params = sampling_params(body, 16)
+        return await run(request, "completion", prompts_of(body), params, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await read_body(request)
+        ids = chat_prompt(body)
+        params = sampling_params(body, None)
+        if params["max_tokens"] is None:
+            params["max_tokens"] = max(1, max_model_len - len(ids))
+        return await run(request, "chat", [ids], params, body)
+
+    return app

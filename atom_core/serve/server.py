@@ -1,0 +1,64 @@
+"""`atom serve`: the engine core in a process of its own, the OpenAI API in this one (uvicorn).
+
+Binds 127.0.0.1 unless told otherwise. The core loads the model and builds its kernels
+before the API takes requests; a core that fails to start stops the server with its error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("atom")
+
+
+def serve(
+    model: str | None,
+    config: dict[str, Any],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    health_timeout: float = 5.0,
+) -> None:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from transformers import AutoTokenizer
+
+    from atom_core.engine.llm_engine import resolve_model
+    from atom_core.serve.client import EngineClient
+    from atom_core.serve.openai_api import build_app, error_body
+
+    folder = resolve_model(model)  # a .gguf is converted here, once, before the core starts
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    name = served_model_name or (Path(model).stem if model else folder.name)
+    config = {"enable_prefix_caching": True, **config}
+    client = EngineClient(str(folder), config, threads=os.cpu_count())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        api = build_app(client, tokenizer, name, health_timeout)
+        app.mount("/", api)
+        logger.warning("atom: serving %s on http://%s:%d", name, host, port)
+        yield
+        await client.close()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)
+    if api_key:
+
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Any:
+            guarded = request.url.path.startswith("/v1/") or request.url.path in ("/tokenize", "/detokenize")
+            given = request.headers.get("authorization", "")
+            if guarded and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer <key>"), 401)
+            return await call_next(request)
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", loop="asyncio")

@@ -1,0 +1,221 @@
+"""`atom serve` as a client sees it: the `openai` client and raw HTTP against a server process
+on a free loopback port, with the default model; offline `LLMEngine` is the reference."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from atom_core import SamplingParams
+from atom_core.engine.fetch import fetch_default_model
+from atom_core.engine.llm_engine import LLMEngine
+from atom_core.serve import protocol
+
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atom_core.cli", "serve", "--port", str(port), "--max-model-len", "1024"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"atom serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("atom serve was not healthy within 600 s")
+        time.sleep(1)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLMEngine(fetch_default_model(quiet=True), max_model_len=1024)
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_greedy_completion_equals_offline_and_counts_usage(client, model_name, offline):
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.choices[0].text == want["text"]
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want["num_prompt_tokens"], 16)
+    ids = offline.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == want["text"]
+
+
+def test_streamed_text_equals_the_whole_for_completions_and_chat(client, model_name, offline):
+    whole = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+    parts = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in parts if c.choices) == whole.choices[0].text
+    want = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == want["text"]
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want["token_ids"])
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
+
+
+def test_sse_framing_ends_with_done(server, model_name):
+    body = {"model": model_name, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["delta"] == {} and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_never_reaches_the_stream_and_is_named(client, model_name, offline):
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]["text"]
+    stop = want.split()[1]  # a word the greedy text holds
+    chunks = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True
+    )
+    texts, reasons = [], []
+    for c in chunks:
+        texts.append(c.choices[0].text)
+        reasons.append((c.choices[0].finish_reason, getattr(c.choices[0], "stop_reason", None)))
+    text = "".join(texts)
+    assert stop not in text and text == want[: want.find(stop)]
+    assert reasons[-1] == ("stop", stop)
+    whole = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
+    assert whole.choices[0].text == text and whole.choices[0].finish_reason == "stop"
+
+
+def test_several_prompts_run_together_in_one_request(client, model_name, offline):
+    prompts = [PROMPT, "Once upon a time"]
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    r = client.completions.create(model=model_name, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [w["text"] for w in want]
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client, model_name):
+    prompt = "Tell me about the sea. " * 40  # about 240 tokens: whole blocks to share
+    for _ in range(2):
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model 'nope' does not exist"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature must be"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be int or float, got 'hot'"),
+        ({"prompt": "x", "max_tokens": 100000}, 400, "exceed max_model_len=1024"),
+        ({"prompt": [10**9]}, 400, "outside the vocabulary"),
+        ({"prompt": 5}, 400, "prompt must be"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported"),
+        ({"prompt": "x", "stop": 3}, 400, "stop must be a string or a list of strings"),
+    ],
+)
+def test_bad_bodies_get_openai_errors_and_the_server_goes_on(server, body, status, says):
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert says in error["message"] and error["code"] == status
+    assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_malformed_json_is_a_400_not_a_422(server):
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": "hi"}, timeout=60)
+    assert r.status_code == 400 and "messages must be a non-empty list" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_does_not_stop_the_others(server, client, model_name):
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leave: the server aborts the request
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_tokenize_and_detokenize(server, offline):
+    r = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == offline.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    assert httpx.post(f"{server}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == PROMPT
+    chat = httpx.post(f"{server}/tokenize", json={"messages": QUESTION}).json()
+    assert chat["tokens"] == offline.apply_chat_template(QUESTION)
+
+
+def test_the_core_refuses_frames_that_are_not_its_messages():
+    """What arrives on the core's socket is decoded against the message union, never unpickled."""
+    import msgspec
+
+    good = protocol.encoder.encode(protocol.AddRequest("a", [1, 2], {"max_tokens": 2}))
+    assert protocol.to_core_decoder.decode(good) == protocol.AddRequest("a", [1, 2], {"max_tokens": 2})
+    bad = [
+        b"\x80\x04garbage",  # a pickle header
+        good[:-3],  # truncated
+        protocol.encoder.encode({"type": "add", "id": 1, "prompt_token_ids": "x", "params": {}}),  # wrong types
+        protocol.encoder.encode({"type": "exec", "code": "print(1)"}),  # unknown tag
+    ]
+    for frame in bad:
+        with pytest.raises(msgspec.DecodeError):
+            protocol.to_core_decoder.decode(frame)
