@@ -219,3 +219,41 @@ def test_the_core_refuses_frames_that_are_not_its_messages():
     for frame in bad:
         with pytest.raises(msgspec.DecodeError):
             protocol.to_core_decoder.decode(frame)
+
+
+def test_n_children_are_seeded_apart_and_repeatable(client, model_name):
+    def texts(**kw):
+        r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, n=2, **kw)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    seeded = texts(temperature=1.0, seed=11)
+    assert len(seeded) == 2 and seeded[0] != seeded[1]
+    assert texts(temperature=1.0, seed=11) == seeded
+    greedy = texts(temperature=0)
+    assert greedy[0] == greedy[1]
+    one = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    two = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, n=2, temperature=0)
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (one.usage.prompt_tokens, 8)
+    bad = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "n": 0}, timeout=60)
+    assert bad.status_code == 400 and "n must be between 1 and 64, got 0" in bad.json()["error"]["message"]
+
+
+def test_logprobs_are_the_engines_in_openai_shapes(client, model_name, offline):
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=2), use_tqdm=False)[0]
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    chosen = [entry[t] for t, entry in zip(want["token_ids"], want["logprobs"])]
+    assert lp.token_logprobs == pytest.approx(chosen, abs=1e-5)
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chat = client.chat.completions.create(
+        model=model_name, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy: the top one
+    streamed = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
+    got = [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(chosen, abs=1e-5)

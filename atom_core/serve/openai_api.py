@@ -35,6 +35,7 @@ ERROR_TYPES = {
 # The engine's reasons mapped to OpenAI's two: the string or token that stopped it is `stop_reason`.
 LENGTH_REASONS = ("max_tokens", "max_model_len")
 REFUSED_FIELDS = ("best_of", "suffix")
+MAX_N = 64
 
 
 class ApiError(Exception):
@@ -254,26 +255,42 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     async def run(
         request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any]
     ) -> Any:
+        from atom_core.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**params)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
         for ids in prompts:
             check_prompt(ids, params["max_tokens"])
+        n = _field(body, "n", (int,), 1)
+        if not 1 <= n <= MAX_N:
+            raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}", "n")
+        # One request per choice: prompt p's children are choices p * n ... p * n + n - 1, a
+        # seeded request's child j seeded seed + j (greedy children are alike).
+        jobs = [
+            (ids, {**params, "seed": None if params["seed"] is None else params["seed"] + j})
+            for ids in prompts
+            for j in range(n)
+        ]
         created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
         merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or exception), every choice at once
 
-        async def pump(i: int, ids: list[int]) -> None:
+        async def pump(i: int, ids: list[int], job_params: dict[str, Any]) -> None:
             try:
-                async for delta in client.generate(f"{rid}-{i}", ids, params):
+                async for delta in client.generate(f"{rid}-{i}", ids, job_params):
                     merged.put_nowait((i, delta))
             except Exception as e:  # RequestFailed, EngineDead: to the consumer
                 merged.put_nowait((i, e))
 
-        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
 
         async def deltas() -> AsyncIterator[tuple[int, Delta]]:
             """Every choice's deltas as they come, until each has finished; cancelling the pumps
             (on leaving early) aborts their requests in the core."""
-            left = len(prompts)
+            left = len(jobs)
             try:
                 while left:
                     i, item = await merged.get()
@@ -285,12 +302,15 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 for task in tasks:
                     task.cancel()
 
-        texts = [TextStream(tokenizer, params["stop_strings"]) for _ in prompts]
+        texts = [TextStream(tokenizer, params["stop_strings"]) for _ in jobs]
+        chat_logprobs = kind == "chat" and bool(body.get("logprobs"))
+        wants_logprobs = params.get("logprobs") is not None
+        top_n = params.get("logprobs") or 0
         object_name = "chat.completion" if kind == "chat" else "text_completion"
 
         def usage(finals: list[Delta | None], num_completion: int) -> dict[str, Any]:
             prompt_tokens = sum(len(p) for p in prompts)
-            cached = sum(d.num_cached_tokens for d in finals if d is not None)
+            cached = sum(d.num_cached_tokens for d in finals[::n] if d is not None)
             return {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": num_completion,
@@ -299,10 +319,12 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             }
 
         if not stream:
-            finals: list[Delta | None] = [None] * len(prompts)
+            finals: list[Delta | None] = [None] * len(jobs)
+            logprobs: list[list[dict[int, float]]] = [[] for _ in jobs]
             try:
                 async for i, delta in deltas():
                     texts[i].add(delta)
+                    logprobs[i] += delta.logprobs or []
                     if delta.finished:
                         finals[i] = delta
             except RequestFailed as e:
@@ -318,11 +340,13 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 if final.finish_reason == "error":
                     raise ApiError(500, "the engine's forward pass failed for this request")
                 choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": final.stop_reason}
+                tokens = text.token_ids
                 if kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content}
+                    choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 else:
                     choice["text"] = content
-                    choice["logprobs"] = None
+                    choice["logprobs"] = completion_logprobs(tokens, logprobs[i], 0, top_n) if wants_logprobs else None
                 choices.append(choice)
             num_completion = sum(len(t.token_ids) for t in texts)
             return {
@@ -343,17 +367,27 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 }
                 return f"data: {json.dumps({**body, **extra})}\n\n"
 
-            finals: list[Delta | None] = [None] * len(prompts)
+            finals: list[Delta | None] = [None] * len(jobs)
+            offsets = [0] * len(jobs)  # characters streamed, for completions' text_offset
             if kind == "chat":
-                for i in range(len(prompts)):
+                for i in range(len(jobs)):
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
             try:
                 async for i, delta in deltas():
                     if delta.finished and delta.finish_reason == "error":
                         raise ApiError(500, "the engine's forward pass failed for this request")
                     new = texts[i].add(delta)
-                    if new:
-                        piece = {"delta": {"content": new}} if kind == "chat" else {"text": new}
+                    if new or (delta.token_ids and (chat_logprobs or wants_logprobs)):
+                        lp = delta.logprobs or []
+                        if kind == "chat":
+                            piece: dict[str, Any] = {"delta": {"content": new}}
+                            if chat_logprobs:
+                                piece["logprobs"] = chat_logprob_entries(delta.token_ids, lp, top_n)
+                        else:
+                            piece = {"text": new}
+                            if wants_logprobs:
+                                piece["logprobs"] = completion_logprobs(delta.token_ids, lp, offsets[i], top_n)
+                        offsets[i] += len(new)
                         yield chunk([{"index": i, **piece, "finish_reason": None}])
                     if delta.finished:
                         finals[i] = delta
@@ -372,10 +406,49 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def top_entries(entries: dict[int, float], count: int) -> list[tuple[int, float]]:
+        return sorted(entries.items(), key=lambda kv: -kv[1])[:count]
+
+    def completion_logprobs(
+        tokens: list[int], entries: list[dict[int, float]], offset: int, top_n: int
+    ) -> dict[str, Any]:
+        """The completions API's logprobs: per token its text, its log probability, the top ones."""
+        texts = [token_text(t) for t in tokens]
+        offsets = []
+        for piece in texts:
+            offsets.append(offset)
+            offset += len(piece)
+        return {
+            "tokens": texts,
+            "token_logprobs": [e.get(t) for t, e in zip(tokens, entries)],
+            "top_logprobs": [{token_text(k): v for k, v in top_entries(e, top_n)} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def chat_logprob_entries(tokens: list[int], entries: list[dict[int, float]], top_n: int) -> dict[str, Any]:
+        """The chat API's logprobs: `content`, one entry per token, with its `top_logprobs`."""
+
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(t, e.get(t)), "top_logprobs": [entry(k, v) for k, v in top_entries(e, top_n)]}
+                for t, e in zip(tokens, entries)
+            ]
+        }
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await read_body(request)
         params = sampling_params(body, 16)
+        logprobs = _field(body, "logprobs", (int,))
+        if logprobs is not None:
+            params["logprobs"] = logprobs
         return await run(request, "completion", prompts_of(body), params, body)
 
     @app.post("/v1/chat/completions")
@@ -383,6 +456,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         body = await read_body(request)
         ids = chat_prompt(body)
         params = sampling_params(body, None)
+        if _field(body, "logprobs", (bool,), False):
+            params["logprobs"] = _field(body, "top_logprobs", (int,), 0)
         if params["max_tokens"] is None:
             params["max_tokens"] = max(1, max_model_len - len(ids))
         return await run(request, "chat", [ids], params, body)
