@@ -193,6 +193,34 @@ def test_a_client_that_leaves_mid_stream_does_not_stop_the_others(server, client
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    deadline = time.time() + 5  # the aborted request's blocks are back within a step or two
+    while True:
+        values = metric_values(server)
+        idle = [values[f'atom:{name}{{engine="0"}}'] for name in ("num_requests_running", "kv_cache_usage_perc")]
+        if idle == [0.0, 0.0] or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle == [0.0, 0.0]
+
+
+def metric_values(server) -> dict[str, float]:
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_metrics_count_requests_and_tokens(server, client, model_name):
+    before = metric_values(server)
+    client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0)
+    after = metric_values(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('atom:generation_tokens_total{engine="0"}') == 3
+    assert grew('atom:request_success_total{engine="0",finished_reason="length"}') == 1
+    assert grew('atom:prompt_tokens_total{engine="0"}') == grew('atom:prefix_cache_queries_total{engine="0"}') > 0
+    assert grew('atom:time_to_first_token_seconds_count{engine="0"}') == 1
+    assert after['atom:num_requests_waiting{engine="0"}'] == 0
 
 
 def test_tokenize_and_detokenize(server, offline):

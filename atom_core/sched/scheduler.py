@@ -42,6 +42,7 @@ class Scheduler(AtomSchedulerCounters):
         self._stop_token_set = frozenset(self.stop_token_ids)
         self.block_size = config.kv_cache_block_size
         self.block_manager = BlockManager(config, plan)
+        self.num_preemptions = 0  # since the start, for metrics
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.prev_time = 0.0
@@ -226,6 +227,7 @@ class Scheduler(AtomSchedulerCounters):
 
     def preempt(self, seq: Sequence) -> None:
         """Free all of a running request's blocks; it re-prefills from the queue's front."""
+        self.num_preemptions += 1
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.spec_token_ids, seq.spec_token_probs = [], None

@@ -62,6 +62,7 @@ class EngineClient:
         self._process: Any = None
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
+        self.on_stats: Any = None  # called with each step's EngineStats (the API's metrics)
 
     async def start(self, timeout: float = 600.0) -> Ready:
         """Start the core and wait until its model is loaded; raise if it dies first."""
@@ -125,6 +126,8 @@ class EngineClient:
                 continue
             message = self._decode(await self._from_core.recv())
             if isinstance(message, StepOutput):
+                if self.on_stats is not None:
+                    self.on_stats(message.stats)
                 for delta in message.deltas:
                     queue = self._queues.get(delta.id)
                     if queue is not None:

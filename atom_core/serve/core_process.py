@@ -20,6 +20,7 @@ from atom_core.serve.protocol import (
     AbortRequest,
     AddRequest,
     Delta,
+    EngineStats,
     Ping,
     Pong,
     Ready,
@@ -87,16 +88,31 @@ class EngineCoreLoop:
                 reply = self.handle(message)
                 if reply is not None:
                     outbox.send(encoder.encode(reply))
-            if engine.has_unfinished_requests():
+            stepped = engine.has_unfinished_requests()
+            if stepped:
                 try:
                     results = engine.step()
                 except Exception:  # the step's requests end with "error"; the others go on
                     logger.exception("atom core: a step failed")
                     results = []
                 self.finish(results)
-            if self.pending:
-                outbox.send(encoder.encode(StepOutput(self.pending)))
+            if self.pending or stepped:
+                outbox.send(encoder.encode(StepOutput(self.pending, self.stats())))
                 self.pending = []
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        pool = scheduler.block_manager
+        usable = pool.num_blocks - len(pool.reserved_block_ids)
+        spec = scheduler.spec_stats
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=(usable - pool.num_free_blocks) / usable if usable else 0.0,
+            num_preemptions=scheduler.num_preemptions,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+        )
 
     def handle(self, message: Any) -> Any:
         if isinstance(message, AddRequest):

@@ -19,10 +19,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
+from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
 
 ERROR_TYPES = {
@@ -137,6 +139,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     ready = client.ready
     assert ready is not None
     max_model_len = ready.max_model_len
+    metrics = Metrics()
+    client.on_stats = metrics.engine_stats
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -186,6 +190,10 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         except EngineDead as e:
             return JSONResponse(error_body(503, str(e)), status_code=503)
         return JSONResponse({})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -279,8 +287,10 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or exception), every choice at once
 
         async def pump(i: int, ids: list[int], job_params: dict[str, Any]) -> None:
+            timer = RequestTimer(metrics, len(ids))
             try:
                 async for delta in client.generate(f"{rid}-{i}", ids, job_params):
+                    timer.add(delta, openai_finish_reason(delta.finish_reason))
                     merged.put_nowait((i, delta))
             except Exception as e:  # RequestFailed, EngineDead: to the consumer
                 merged.put_nowait((i, e))

@@ -57,8 +57,20 @@ class Delta(msgspec.Struct):
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+class EngineStats(msgspec.Struct):
+    """The core's state after a step, for `/metrics` (totals since the core started)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of the pool's blocks in use, 0 to 1
+    num_preemptions: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
 class StepOutput(msgspec.Struct, tag="step"):
     deltas: list[Delta]
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
 
 
 class Pong(msgspec.Struct, tag="pong"):
