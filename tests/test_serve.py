@@ -285,3 +285,31 @@ def test_logprobs_are_the_engines_in_openai_shapes(client, model_name, offline):
     )
     got = [x for c in streamed if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx(chosen, abs=1e-5)
+
+
+def test_echo_scores_the_prompt_as_the_engine_does(client, model_name, offline):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=0."""
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ids = offline.tokenizer.encode(PROMPT)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == offline.tokenizer.decode(ids) and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [entry[t] for t, entry in zip(ids[1:], want["prompt_logprobs"][1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids)
+    both = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, echo=True, temperature=0)
+    assert both.choices[0].text.startswith(choice.text) and both.usage.completion_tokens == 3
+    bad = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "max_tokens": 0}, timeout=60)
+    assert bad.status_code == 400 and "max_tokens=0 is only allowed with echo" in bad.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_a_whole_response_aborts_it(server, model_name):
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.5)
+    deadline = time.time() + 3
+    while metric_values(server)['atom:num_requests_running{engine="0"}'] and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric_values(server)['atom:num_requests_running{engine="0"}'] == 0  # 1000 tokens would take longer

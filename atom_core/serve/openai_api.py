@@ -52,6 +52,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
+async def watch_disconnect(request: Request, every: float = 0.5) -> None:
+    """Return once the client has gone (a non-streamed request is aborted then)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
+
+
 def openai_finish_reason(reason: str | None) -> str | None:
     if reason is None:
         return None
@@ -101,8 +107,6 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
 def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
     """SamplingParams fields from an OpenAI request body (vLLM's extras included); its own
     validators name field, value and limit (checked again in the core)."""
-    from atom_core.sampling_params import SamplingParams
-
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise ApiError(400, f"{name} is not supported", name)
@@ -127,11 +131,7 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
         "stop_token_ids": _field(body, "stop_token_ids", (list,), []),
         "ignore_eos": _field(body, "ignore_eos", (bool,), False),
     }
-    try:
-        SamplingParams(**params)
-    except (ValueError, TypeError) as e:
-        raise ApiError(400, str(e)) from None
-    return params
+    return params  # checked whole by `run`, once the endpoint has added its own fields
 
 
 def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
@@ -316,6 +316,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         chat_logprobs = kind == "chat" and bool(body.get("logprobs"))
         wants_logprobs = params.get("logprobs") is not None
         top_n = params.get("logprobs") or 0
+        echo = kind == "completion" and bool(body.get("echo"))
+        score_only = bool(body.get("_score_only"))
         object_name = "chat.completion" if kind == "chat" else "text_completion"
 
         def usage(finals: list[Delta | None], num_completion: int) -> dict[str, Any]:
@@ -331,12 +333,30 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         if not stream:
             finals: list[Delta | None] = [None] * len(jobs)
             logprobs: list[list[dict[int, float]]] = [[] for _ in jobs]
-            try:
+            prompt_logprobs: list[list[dict[int, float] | None]] = [[] for _ in jobs]
+
+            async def collect() -> None:
                 async for i, delta in deltas():
                     texts[i].add(delta)
                     logprobs[i] += delta.logprobs or []
+                    prompt_logprobs[i] += delta.prompt_logprobs or []
                     if delta.finished:
                         finals[i] = delta
+
+            collecting = asyncio.create_task(collect())
+            watching = asyncio.create_task(watch_disconnect(request))
+            try:
+                await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watching.cancel()
+                if not collecting.done():  # the client left: abort the choices still running
+                    collecting.cancel()
+                    for task in tasks:
+                        task.cancel()
+            if collecting.cancelled():
+                raise ApiError(499, "the client disconnected")
+            try:
+                collecting.result()
             except RequestFailed as e:
                 raise ApiError(e.status, str(e)) from None
             choices = []
@@ -351,14 +371,23 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     raise ApiError(500, "the engine's forward pass failed for this request")
                 choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": final.stop_reason}
                 tokens = text.token_ids
+                if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
+                    tokens, content, logprobs[i] = [], "", []
+                    choice["finish_reason"], choice["stop_reason"] = "length", None
                 if kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content}
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 else:
-                    choice["text"] = content
-                    choice["logprobs"] = completion_logprobs(tokens, logprobs[i], 0, top_n) if wants_logprobs else None
+                    prompt_text = tokenizer.decode(jobs[i][0]) if echo else ""
+                    choice["text"] = prompt_text + content
+                    choice["logprobs"] = None
+                    if wants_logprobs:
+                        lp = completion_logprobs(tokens, logprobs[i], len(prompt_text), top_n)
+                        if echo:
+                            lp = join_logprobs(echoed_logprobs(jobs[i][0], prompt_logprobs[i], top_n), lp)
+                        choice["logprobs"] = lp
                 choices.append(choice)
-            num_completion = sum(len(t.token_ids) for t in texts)
+            num_completion = 0 if score_only else sum(len(t.token_ids) for t in texts)
             return {
                 "id": rid, "object": object_name, "created": created, "model": served_model_name,
                 "choices": choices, "usage": usage(finals, num_completion),
@@ -438,6 +467,26 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             "text_offset": offsets,
         }
 
+    def echoed_logprobs(ids: list[int], entries: list[dict[int, float] | None], top_n: int) -> dict[str, Any]:
+        """The prompt's part of an echoed completion's logprobs (the first token's are null)."""
+        texts = [token_text(t) for t in ids]
+        offsets, offset = [], 0
+        for piece in texts:
+            offsets.append(offset)
+            offset += len(piece)
+        entries = (list(entries) + [None] * len(ids))[: len(ids)]
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(ids, entries)],
+            "top_logprobs": [
+                None if e is None else {token_text(k): v for k, v in top_entries(e, top_n)} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        return {k: first[k] + second[k] for k in first}
+
     def chat_logprob_entries(tokens: list[int], entries: list[dict[int, float]], top_n: int) -> dict[str, Any]:
         """The chat API's logprobs: `content`, one entry per token, with its `top_logprobs`."""
 
@@ -459,6 +508,16 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         logprobs = _field(body, "logprobs", (int,))
         if logprobs is not None:
             params["logprobs"] = logprobs
+        if _field(body, "echo", (bool,), False):
+            if body.get("stream"):
+                raise ApiError(400, "echo is not supported with stream", "echo")
+            if logprobs is not None:
+                params["prompt_logprobs"] = logprobs
+            if params["max_tokens"] == 0:  # score the prompt only: one token is run, then dropped
+                params["max_tokens"] = 1
+                body = {**body, "_score_only": True}
+        elif params["max_tokens"] == 0:
+            raise ApiError(400, "max_tokens=0 is only allowed with echo (scoring the prompt)", "max_tokens")
         return await run(request, "completion", prompts_of(body), params, body)
 
     @app.post("/v1/chat/completions")
