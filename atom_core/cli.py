@@ -96,11 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--health-timeout", type=float, default=5.0, help="seconds /health waits for the engine")
     add_config_flags(serve)
 
+    talk = sub.add_parser("chat", help="a streamed chat on the terminal, with a local model or a server (--url)")
+    talk.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: SmolLM2)")
+    talk.add_argument("--url", default=None, help="an `atom serve` (or any OpenAI-compatible) server's base URL")
+    talk.add_argument("--api-key", default=None)
+    talk.add_argument("--max-tokens", type=int, default=None, help="per reply (default: up to the context)")
+    talk.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+
     args = parser.parse_args(argv)
     try:
         commands = {
             "generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels,
-            "serve": _serve,
+            "serve": _serve, "chat": _chat,
         }  # fmt: skip
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
@@ -148,6 +155,19 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, config_from_flags(args), host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
     )  # fmt: skip
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from atom_core.serve.chat import chat, local_reply, remote_reply
+
+    if args.url:
+        reply = remote_reply(args.url, args.api_key, args.max_tokens, args.temperature)
+    else:
+        from atom_core.engine.llm_engine import LLMEngine
+
+        reply = local_reply(LLMEngine(args.model), args.max_tokens, args.temperature)
+    chat(reply)
     return 0
 
 

@@ -313,3 +313,36 @@ def test_a_client_that_leaves_a_whole_response_aborts_it(server, model_name):
     while metric_values(server)['atom:num_requests_running{engine="0"}'] and time.time() < deadline:
         time.sleep(0.2)
     assert metric_values(server)['atom:num_requests_running{engine="0"}'] == 0  # 1000 tokens would take longer
+
+
+def test_atom_chat_answers_on_a_pipe_with_history(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "atom_core.cli", "chat", "--url", server, "--max-tokens", "20"],
+        input="What is the capital of France?\nAnd of Italy?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "Paris" in lines[0] and "Rome" in lines[1]  # the second question reads the first
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat():
+    import io
+
+    from atom_core.serve.chat import chat
+
+    seen = []
+
+    def reply(messages):
+        seen.append([m["content"] for m in messages])
+        yield "Hello"
+        if len(messages) == 1:
+            raise KeyboardInterrupt
+        yield " again"
+
+    out = io.StringIO()
+    chat(reply, io.StringIO("hi\nmore\n"), out)
+    assert out.getvalue() == "Hello [stopped]\nHello again\n"
+    assert seen[1] == ["hi", "Hello", "more"]  # the stopped reply stays in the history as far as it got
