@@ -189,6 +189,9 @@ class Config:
     enforce_eager: bool = attrs.field(default=True, validator=boolean)
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
+    # `atom serve`: engine-core processes, each with the whole model and a share of the cores
+    # and of the KV budget; requests go to the one with the fewest outstanding.
+    data_parallel_size: int = attrs.field(default=1, validator=positive)
     # Settings that belong to a plugin (a scheduling policy's, an attention builder's), by
     # name: each plugin class declares and validates its own (`options_class`, see
     # atom_core/plugins/options.py). `LLMEngine(...)` and the CLI take them by name too.

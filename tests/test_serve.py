@@ -28,11 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(*flags: str):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "atom_core.cli", "serve", "--port", str(port), "--max-model-len", "1024"],
+        [sys.executable, "-m", "atom_core.cli", "serve", "--port", str(port), "--max-model-len", "1024", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -51,12 +50,22 @@ def server():
             proc.kill()
             pytest.fail("atom serve was not healthy within 600 s")
         time.sleep(1)
-    yield url
+    return proc, url
+
+
+def stop_server(proc) -> None:
     proc.terminate()
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield url
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +355,25 @@ def test_ctrl_c_stops_the_reply_not_the_chat():
     chat(reply, io.StringIO("hi\nmore\n"), out)
     assert out.getvalue() == "Hello [stopped]\nHello again\n"
     assert seen[1] == ["hi", "Hello", "more"]  # the stopped reply stays in the history as far as it got
+
+
+def test_two_ranks_give_one_ranks_greedy_outputs_and_both_serve(offline):
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, url = start_server("--data-parallel-size", "2", "--kv-cache-memory", str(256 << 20))
+    try:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        prompts = [PROMPT, "Once upon a time", "The sea is", "My favourite colour is"]
+        want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(
+                pool.map(lambda p: api.completions.create(model=api.models.list().data[0].id, prompt=p,
+                                                          max_tokens=24, temperature=0).choices[0].text, prompts)
+            )  # fmt: skip
+        assert got == [w["text"] for w in want]
+        values = metric_values(url)
+        served = [values.get(f'atom:generation_tokens_total{{engine="{r}"}}', 0) for r in (0, 1)]
+        assert all(n > 0 for n in served) and sum(served) == sum(len(w["token_ids"]) for w in want)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        stop_server(proc)

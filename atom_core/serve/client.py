@@ -52,59 +52,99 @@ class RequestFailed(Exception):
 
 
 class EngineClient:
+    """`data_parallel_size` engine-core processes behind one interface. A request goes to the
+    rank with the fewest outstanding requests (`pick_rank`: the API sends an `n` request's
+    children to one rank); a rank that dies fails its requests at once and makes the client
+    refuse new ones (`EngineDead`)."""
+
     def __init__(self, model: str | None, config: dict[str, Any], threads: int | None = None):
         self.model, self.config = model, config
-        self.threads = threads or max(1, os.cpu_count() or 1)
+        self.size = int(config.get("data_parallel_size", 1))
+        self.threads = threads or max(1, (os.cpu_count() or 1) // self.size)
         self.ready: Ready | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._rank_of: dict[str, int] = {}
+        self._outstanding = [0] * self.size
         self._pongs: dict[int, asyncio.Future] = {}
         self._nonce = itertools.count()
-        self._process: Any = None
+        self._processes: list[Any] = []
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
-        self.on_stats: Any = None  # called with each step's EngineStats (the API's metrics)
+        self.on_stats: Any = None  # called with (EngineStats, rank) after every step of a rank
+
+    def _rank_config(self) -> dict[str, Any]:
+        """Each rank's settings: a share of the KV budget when there are several."""
+        config = dict(self.config)
+        if self.size > 1 and config.get("num_kvcache_blocks") is None:
+            budget = config.get("kv_cache_memory")
+            if budget is None and config.get("device", "cpu") == "cpu":
+                import torch
+
+                from atom_core.platform.memory import free_memory_bytes
+                from atom_core.runner.kv_pool import CPU_KV_CACHE_FRACTION
+
+                budget = int(free_memory_bytes(torch.device("cpu")) * CPU_KV_CACHE_FRACTION)
+            if budget is not None:
+                config["kv_cache_memory"] = budget // self.size
+        return config
 
     async def start(self, timeout: float = 600.0) -> Ready:
-        """Start the core and wait until its model is loaded; raise if it dies first."""
+        """Start every rank and wait until each has loaded the model; raise if one dies first."""
+        loop = asyncio.get_running_loop()
+        if self.size > 1:  # built once here, not raced by the ranks
+            from atom_core.layers.cpp import build_all
+
+            await loop.run_in_executor(None, build_all)
         self._dir = tempfile.mkdtemp(prefix="atom-")
         os.chmod(self._dir, 0o700)
         self._context = zmq.asyncio.Context()
-        self._to_core = self._context.socket(zmq.PUSH)
-        self._to_core.bind(f"ipc://{self._dir}/in")
         self._from_core = self._context.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._from_core.bind(f"ipc://{self._dir}/out")
+        self._to_core = []
         spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
-            target=run_core,
-            args=(self.model, self.config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", self.threads),
-            daemon=True,
-        )
-        self._process.start()
-        loop = asyncio.get_running_loop()
+        config = self._rank_config()
+        for rank in range(self.size):
+            sock = self._context.socket(zmq.PUSH)
+            sock.bind(f"ipc://{self._dir}/in{rank}")
+            self._to_core.append(sock)
+            process = spawn.Process(
+                target=run_core,
+                args=(self.model, config, f"ipc://{self._dir}/in{rank}", f"ipc://{self._dir}/out", self.threads, rank),
+                daemon=True,
+            )
+            process.start()
+            self._processes.append(process)
         deadline = loop.time() + timeout
-        while self.ready is None:
-            if not self._process.is_alive():
-                raise EngineDead(f"the engine core exited with code {self._process.exitcode} before it was ready")
+        ready: dict[int, Ready] = {}
+        while len(ready) < self.size:
+            for rank, process in enumerate(self._processes):
+                if not process.is_alive():
+                    raise EngineDead(f"engine core {rank} exited with code {process.exitcode} before it was ready")
             if loop.time() > deadline:
-                raise EngineDead(f"the engine core was not ready within {timeout:.0f} s")
+                raise EngineDead(f"the engine cores were not ready within {timeout:.0f} s")
             if await self._from_core.poll(200):
                 message = self._decode(await self._from_core.recv())
                 if isinstance(message, Ready):
-                    self.ready = message
+                    ready[message.rank] = message
+        self.ready = min(ready.values(), key=lambda r: r.num_kv_blocks)
         self._reader = asyncio.create_task(self._read())
         return self.ready
 
     async def close(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._to_core.send(encoder.encode(Shutdown()))
-            await asyncio.get_running_loop().run_in_executor(None, self._process.join, 10)
-            if self._process.is_alive():
-                self._process.kill()
+        for sock, process in zip(self._to_core, self._processes):
+            if process.is_alive():
+                with contextlib.suppress(zmq.ZMQError):
+                    await sock.send(encoder.encode(Shutdown()))
+        loop = asyncio.get_running_loop()
+        for process in self._processes:
+            await loop.run_in_executor(None, process.join, 10)
+            if process.is_alive():
+                process.kill()
         if self._reader is not None:
             self._reader.cancel()
-        self._to_core.close(linger=0)
+        for sock in self._to_core:
+            sock.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -113,21 +153,22 @@ class EngineClient:
         try:
             return from_core_decoder.decode(frame)
         except msgspec.DecodeError as e:
-            logger.warning("atom: dropped a frame from the engine core that does not decode: %s", e)
+            logger.warning("atom: dropped a frame from an engine core that does not decode: %s", e)
             return None
 
     async def _read(self) -> None:
-        """Route the core's messages until it dies; then fail whatever is in flight."""
+        """Route the cores' messages; when one dies, fail what is in flight and refuse more."""
         while True:
-            if not await self._from_core.poll(500):
-                if not self._process.is_alive():
-                    self._fail_all(f"the engine core exited with code {self._process.exitcode}")
-                    return
+            if not await self._from_core.poll(200):
+                for rank, process in enumerate(self._processes):
+                    if not process.is_alive():
+                        self._fail_all(f"engine core {rank} exited with code {process.exitcode}")
+                        return
                 continue
             message = self._decode(await self._from_core.recv())
             if isinstance(message, StepOutput):
                 if self.on_stats is not None:
-                    self.on_stats(message.stats)
+                    self.on_stats(message.stats, message.rank)
                 for delta in message.deltas:
                     queue = self._queues.get(delta.id)
                     if queue is not None:
@@ -149,31 +190,49 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineDead(why))
 
-    async def ping(self, timeout: float) -> Pong:
+    async def ping(self, timeout: float) -> list[Pong]:
+        """Every rank's answer; EngineDead if one is gone or silent past `timeout`."""
         if self.dead is not None:
             raise EngineDead(self.dead)
-        nonce = next(self._nonce)
-        future = self._pongs[nonce] = asyncio.get_running_loop().create_future()
-        await self._to_core.send(encoder.encode(Ping(nonce)))
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[int, asyncio.Future]] = []
+        for sock in self._to_core:
+            nonce = next(self._nonce)
+            future = self._pongs[nonce] = loop.create_future()
+            waits.append((nonce, future))
+            await sock.send(encoder.encode(Ping(nonce)))
         try:
-            return await asyncio.wait_for(future, timeout)
+            return [await asyncio.wait_for(future, timeout) for _, future in waits]
         except asyncio.TimeoutError:
-            raise EngineDead(f"the engine core did not answer within {timeout} s") from None
+            raise EngineDead(f"an engine core did not answer within {timeout} s") from None
         finally:
-            self._pongs.pop(nonce, None)
+            for nonce, _ in waits:
+                self._pongs.pop(nonce, None)
+
+    def pick_rank(self, count: int = 1) -> int:
+        """The rank with the fewest outstanding requests, `count` more of which it now has: the
+        caller gives each back with `done(rank)` (`generate` without a rank does both)."""
+        rank = min(range(self.size), key=self._outstanding.__getitem__)
+        self._outstanding[rank] += count
+        return rank
+
+    def done(self, rank: int) -> None:
+        self._outstanding[rank] -= 1
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]
+        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any], rank: int | None = None
     ) -> AsyncIterator[Delta]:
-        """The request's deltas as the core sends them, up to the finished one. Leaving early
+        """The request's deltas as its rank sends them, up to the finished one. Leaving early
         (the consumer is cancelled or stops iterating) aborts it in the core."""
         if self.dead is not None:
             raise EngineDead(self.dead)
+        picked = rank is None
+        rank = self.pick_rank() if rank is None else rank
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._to_core.send(encoder.encode(AddRequest(request_id, prompt_token_ids, params)))
+            await self._to_core[rank].send(encoder.encode(AddRequest(request_id, prompt_token_ids, params)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -182,7 +241,9 @@ class EngineClient:
                 finished = item.finished
                 yield item
         finally:
+            if picked:
+                self.done(rank)
             self._queues.pop(request_id, None)
             if not finished and self.dead is None:
                 with contextlib.suppress(zmq.ZMQError):
-                    await self._to_core.send(encoder.encode(AbortRequest(request_id)))
+                    await self._to_core[rank].send(encoder.encode(AbortRequest(request_id)))

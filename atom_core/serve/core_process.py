@@ -36,7 +36,9 @@ logger = logging.getLogger("atom")
 IDLE_POLL_MS = 50
 
 
-def run_core(model: str | None, config: dict[str, Any], in_address: str, out_address: str, threads: int) -> None:
+def run_core(
+    model: str | None, config: dict[str, Any], in_address: str, out_address: str, threads: int, rank: int = 0
+) -> None:
     """The process's main: load, say Ready, serve until `Shutdown` (or the parent's end)."""
     import torch
 
@@ -49,7 +51,7 @@ def run_core(model: str | None, config: dict[str, Any], in_address: str, out_add
     outbox = context.socket(zmq.PUSH)
     outbox.connect(out_address)
     try:
-        core = EngineCoreLoop(model, config)
+        core = EngineCoreLoop(model, config, rank)
         outbox.send(encoder.encode(core.ready()))
         core.serve(inbox, outbox)
     finally:
@@ -59,10 +61,11 @@ def run_core(model: str | None, config: dict[str, Any], in_address: str, out_add
 
 
 class EngineCoreLoop:
-    def __init__(self, model: str | None, config: dict[str, Any]):
+    def __init__(self, model: str | None, config: dict[str, Any], rank: int = 0):
         from atom_core.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(model, **config)
+        self.rank = rank
+        self.engine = LLMEngine(model, **{k: v for k, v in config.items() if k != "data_parallel_size"})
         self.ids: dict[int, str] = {}  # engine request id -> the server's id
         self.rids: dict[str, int] = {}
         self.pending: list[Delta] = []
@@ -70,7 +73,7 @@ class EngineCoreLoop:
     def ready(self) -> Ready:
         engine = self.engine
         assert engine.config.max_model_len is not None
-        return Ready(engine.config.max_model_len, engine.vocab_size, engine.kv_plan.num_blocks)
+        return Ready(engine.config.max_model_len, engine.vocab_size, engine.kv_plan.num_blocks, self.rank)
 
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         engine = self.engine
@@ -97,7 +100,7 @@ class EngineCoreLoop:
                     results = []
                 self.finish(results)
             if self.pending or stepped:
-                outbox.send(encoder.encode(StepOutput(self.pending, self.stats())))
+                outbox.send(encoder.encode(StepOutput(self.pending, self.stats(), self.rank)))
                 self.pending = []
 
     def stats(self) -> EngineStats:
@@ -124,7 +127,7 @@ class EngineCoreLoop:
             return None
         if isinstance(message, Ping):
             scheduler = self.engine.scheduler
-            return Pong(message.nonce, len(scheduler.running), len(scheduler.waiting))
+            return Pong(message.nonce, len(scheduler.running), len(scheduler.waiting), self.rank)
         return None
 
     def add(self, message: AddRequest) -> RequestError | None:

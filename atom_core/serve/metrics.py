@@ -17,10 +17,9 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
-    def __init__(self, engine: str = "0"):
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["engine"]
-        self.engine = engine
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
@@ -50,30 +49,30 @@ class Metrics:
         )
         self.prompt_len = histogram("atom:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.gen_len = histogram("atom:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self._totals = EngineStats()
+        self._totals: dict[int, EngineStats] = {}
 
-    def engine_stats(self, stats: EngineStats) -> None:
-        e = self.engine
+    def engine_stats(self, stats: EngineStats, rank: int = 0) -> None:
+        e = str(rank)
         self.running.labels(e).set(stats.num_running)
         self.waiting.labels(e).set(stats.num_waiting)
         self.kv_usage.labels(e).set(stats.kv_cache_usage)
-        last = self._totals
+        last = self._totals.get(rank, EngineStats())
         self.preemptions.labels(e).inc(max(0, stats.num_preemptions - last.num_preemptions))
         self.draft_tokens.labels(e).inc(max(0, stats.spec_draft_tokens - last.spec_draft_tokens))
         self.accepted_tokens.labels(e).inc(max(0, stats.spec_accepted_tokens - last.spec_accepted_tokens))
-        self._totals = stats
+        self._totals[rank] = stats
 
 
 class RequestTimer:
     """One request's timings, fed its deltas."""
 
-    def __init__(self, metrics: Metrics, num_prompt_tokens: int):
-        self.metrics, self.num_prompt_tokens = metrics, num_prompt_tokens
+    def __init__(self, metrics: Metrics, num_prompt_tokens: int, rank: int = 0):
+        self.metrics, self.num_prompt_tokens, self.engine = metrics, num_prompt_tokens, str(rank)
         self.arrival = self.last = time.perf_counter()
         self.num_tokens = 0
 
     def add(self, delta: Delta, openai_reason: str | None) -> None:
-        m, e, now = self.metrics, self.metrics.engine, time.perf_counter()
+        m, e, now = self.metrics, self.engine, time.perf_counter()
         if delta.token_ids:
             if self.num_tokens == 0:
                 m.ttft.labels(e).observe(now - self.arrival)

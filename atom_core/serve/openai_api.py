@@ -286,14 +286,18 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
         merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or exception), every choice at once
 
+        rank = client.pick_rank(len(jobs))  # every choice of a request on one rank (its children share blocks)
+
         async def pump(i: int, ids: list[int], job_params: dict[str, Any]) -> None:
-            timer = RequestTimer(metrics, len(ids))
+            timer = RequestTimer(metrics, len(ids), rank)
             try:
-                async for delta in client.generate(f"{rid}-{i}", ids, job_params):
+                async for delta in client.generate(f"{rid}-{i}", ids, job_params, rank):
                     timer.add(delta, openai_finish_reason(delta.finish_reason))
                     merged.put_nowait((i, delta))
             except Exception as e:  # RequestFailed, EngineDead: to the consumer
                 merged.put_nowait((i, e))
+            finally:
+                client.done(rank)
 
         tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
 

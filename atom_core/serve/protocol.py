@@ -41,6 +41,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     num_kv_blocks: int
+    rank: int = 0
 
 
 class Delta(msgspec.Struct):
@@ -71,12 +72,14 @@ class EngineStats(msgspec.Struct):
 class StepOutput(msgspec.Struct, tag="step"):
     deltas: list[Delta]
     stats: EngineStats = msgspec.field(default_factory=EngineStats)
+    rank: int = 0
 
 
 class Pong(msgspec.Struct, tag="pong"):
     nonce: int
     num_running: int
     num_waiting: int
+    rank: int = 0
 
 
 class RequestError(msgspec.Struct, tag="error"):
