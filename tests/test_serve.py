@@ -377,3 +377,45 @@ def test_two_ranks_give_one_ranks_greedy_outputs_and_both_serve(offline):
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         stop_server(proc)
+
+
+def core_pids(server_pid: int) -> list[int]:
+    """The server's engine-core processes (spawned children; not multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, out):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def test_a_rank_killed_mid_stream_fails_its_requests_and_the_server_says_so():
+    import os
+    import signal
+
+    proc, url = start_server("--api-key", "sesame")
+    try:
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        key = {"Authorization": "Bearer sesame"}
+        body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        (core,) = core_pids(proc.pid)
+        start = time.time()
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=30) as r:
+            events = []
+            for i, line in enumerate(r.iter_lines()):
+                if i == 4:
+                    os.kill(core, signal.SIGKILL)
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert json.loads(events[-2])["error"]["code"] == 503
+        assert time.time() - start < 10
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=key, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable_error"
+    finally:
+        stop_server(proc)
