@@ -174,6 +174,7 @@ def test_a_repeated_prompt_reports_cached_tokens(client, model_name):
         ({"prompt": 5}, 400, "prompt must be"),
         ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported"),
         ({"prompt": "x", "stop": 3}, 400, "stop must be a string or a list of strings"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools are not supported"),
     ],
 )
 def test_bad_bodies_get_openai_errors_and_the_server_goes_on(server, body, status, says):
@@ -182,7 +183,7 @@ def test_bad_bodies_get_openai_errors_and_the_server_goes_on(server, body, statu
     error = r.json()["error"]
     assert says in error["message"] and error["code"] == status
     assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
-    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "frobnicate": 1}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 

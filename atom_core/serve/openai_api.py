@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,7 +38,17 @@ ERROR_TYPES = {
 # The engine's reasons mapped to OpenAI's two: the string or token that stopped it is `stop_reason`.
 LENGTH_REASONS = ("max_tokens", "max_model_len")
 REFUSED_FIELDS = ("best_of", "suffix")
+# Fields a request may carry that this server reads; others are logged once and ignored.
+KNOWN_FIELDS = frozenset(
+    "model prompt messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop stream "
+    "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
+    "ignore_eos stop_token_ids user tools tool_choice best_of suffix".split()
+)
 MAX_N = 64
+
+
+logger = logging.getLogger("atom")
+_ignored: set[str] = set()  # unknown fields already logged
 
 
 class ApiError(Exception):
@@ -110,6 +121,12 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise ApiError(400, f"{name} is not supported", name)
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise ApiError(400, "tools are not supported (only with tool_choice 'none')", "tools")
+    unknown = sorted(set(body) - KNOWN_FIELDS - _ignored)
+    if unknown:
+        _ignored.update(unknown)
+        logger.warning("atom: ignoring request field(s) this server does not read: %s", ", ".join(unknown))
     number = (int, float)
     stop = body.get("stop")
     if isinstance(stop, str):
