@@ -103,11 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     talk.add_argument("--max-tokens", type=int, default=None, help="per reply (default: up to the context)")
     talk.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
 
+    bench = sub.add_parser("bench", help="measure a server (bench serve)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--model", default=None, help="default: the server's first model")
+    bs.add_argument("--num-prompts", type=int, default=32)
+    bs.add_argument("--input-len", type=int, default=128, help="tokens per random prompt")
+    bs.add_argument("--output-len", type=int, default=128, help="tokens per reply (ignore_eos)")
+    bs.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels, run in turn")
+    bs.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    bs.add_argument("--dataset", default=None, help='a JSONL file of {"prompt": ...} lines')
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--json", action="store_true", help="print the figures as JSON")
+
     args = parser.parse_args(argv)
     try:
         commands = {
             "generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels,
-            "serve": _serve, "chat": _chat,
+            "serve": _serve, "chat": _chat, "bench": _bench,
         }  # fmt: skip
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
@@ -155,6 +169,22 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, config_from_flags(args), host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
     )  # fmt: skip
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from atom_core.serve.bench import bench_serve, print_table
+
+    levels = bench_serve(
+        args.base_url, args.model, args.num_prompts, args.input_len, args.output_len,
+        [int(c) for c in args.max_concurrency.split(",")], args.request_rate, args.dataset, args.seed,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(levels, indent=2))
+    else:
+        print_table(levels)
     return 0
 
 

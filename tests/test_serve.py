@@ -420,3 +420,18 @@ def test_a_rank_killed_mid_stream_fails_its_requests_and_the_server_says_so():
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable_error"
     finally:
         stop_server(proc)
+
+
+def test_atom_bench_serve_reports_json(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "atom_core.cli", "bench", "serve", "--base-url", server, "--num-prompts", "4",
+         "--input-len", "16", "--output-len", "8", "--max-concurrency", "1,4", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    levels = json.loads(out.stdout)
+    assert [lv["max_concurrency"] for lv in levels] == [1, 4]
+    for lv in levels:
+        assert lv["requests"] == 4 and lv["output_throughput"] > 0
+        assert lv["ttft"]["median_ms"] > 0 and lv["e2e"]["p99_ms"] >= lv["e2e"]["median_ms"]
+        assert abs(lv["output_throughput"] * lv["duration_s"] - 4 * 8) < 1e-6  # every reply 8 tokens (ignore_eos)
