@@ -18,12 +18,12 @@ from typing import Any, cast
 import attrs
 
 from atom_core.config import Config, check_device
-from atom_core.engine.output_processor import OutputProcessor, RequestState
+from atom_core.engine.output_processor import OutputProcessor, RequestState, text_before_stop
 from atom_core.plugins.options import check_plugin_options, declared_options
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 from atom_core.sched.scheduler import Scheduler
-from atom_core.sequence import FinishReason, Sequence
+from atom_core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -313,9 +313,7 @@ class LLMEngine:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-            if seq.finish_reason is FinishReason.STOP:  # the text up to its stop string
-                cut = text.find(str(seq.stop_reason))
-                text = text[:cut] if cut >= 0 else text
+            text = text_before_stop(text, seq.leave_reason, seq.stop_reason)
         n = seq.num_completion_tokens
         ttft = seq.first_token_time - seq.arrive_time if seq.first_token_time else None
         tpot = (seq.leave_time - seq.first_token_time) / (n - 1) if seq.first_token_time and n > 1 else None

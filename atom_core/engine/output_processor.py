@@ -24,6 +24,14 @@ from atom_core.sequence import FinishReason, Sequence
 logger = logging.getLogger("atom")
 
 
+def text_before_stop(text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+    """A finished request's text up to its stop string (as vLLM returns it), else as it is."""
+    if finish_reason == FinishReason.STOP.value and isinstance(stop_reason, str):
+        cut = text.find(stop_reason)
+        return text[:cut] if cut >= 0 else text
+    return text
+
+
 @attrs.define
 class RequestState:
     """The engine's side of one request: what its consumer has been handed so far."""

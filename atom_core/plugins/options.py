@@ -3,7 +3,7 @@
 A scheduling policy or an attention builder declares its settings as an attrs class on its
 own class (`options_class = SpyreOptions`), with validators whose messages name the setting, the
 limit and the value, as `Config`'s do. The values travel in `Config.additional_config` (vLLM's
-name for plugin settings); the plugin reads them with `plugin_options(cls, config)` when it is
+name for plugin settings); the plugin reads them with `plugin_options(cls, config.additional_config)` when it is
 built. `LLMEngine(...)` and the CLI accept a declared setting by its name and check it before
 any model is loaded (`check_plugin_options`).
 """
@@ -21,13 +21,13 @@ from atom_core.plugins.manager import get_registry
 OPTION_KINDS = ("scheduler_policies", "attention_builders")
 
 
-def plugin_options(cls: type, config: Any) -> Any:
-    """`cls.options_class` built from `config.additional_config` (the keys it declares; defaults
-    for the rest), or None for a class that declares none."""
+def plugin_options(cls: type, values: Mapping[str, Any] | None) -> Any:
+    """`cls.options_class` built from `values` (`Config.additional_config`: the keys it declares;
+    defaults for the rest), or None for a class that declares none."""
     options = getattr(cls, "options_class", None)
     if options is None:
         return None
-    values = getattr(config, "additional_config", None) or {}
+    values = values or {}
     names = {f.name for f in attrs.fields(options)}
     return options(**{k: v for k, v in values.items() if k in names})
 
@@ -65,9 +65,4 @@ def check_plugin_options(values: Mapping[str, Any], pm: Any = None) -> None:
         )
     classes = {cls for name in values for cls in declared[name]}
     for cls in classes:
-        plugin_options(cls, _Values(values))
-
-
-@attrs.frozen
-class _Values:
-    additional_config: Mapping[str, Any]
+        plugin_options(cls, values)

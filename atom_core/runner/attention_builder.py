@@ -104,7 +104,7 @@ class AttentionMetadataBuilder:
     def __init__(self, context: BuilderContext, layers: list[torch.nn.Module]):
         self.context = context
         self.config = context.config
-        self.options: Any = plugin_options(type(self), context.config)
+        self.options: Any = plugin_options(type(self), getattr(context.config, "additional_config", None))
         self.hf_config = context.hf_config
         self.block_size: int = context.block_size
         self.dtype: torch.dtype = context.dtype

@@ -46,7 +46,7 @@ class SchedulingPolicy:
 
     def __init__(self, config: Config):
         self.config = config
-        self.options: Any = plugin_options(type(self), config)
+        self.options: Any = plugin_options(type(self), getattr(config, "additional_config", None))
 
     def schedule(self, step: StepBuilder) -> None:
         raise NotImplementedError

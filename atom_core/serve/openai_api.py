@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom_core.engine.output_processor import text_before_stop
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
@@ -84,14 +86,13 @@ class TextStream:
         self.token_ids: list[int] = []
         self.sent = 0  # characters handed out
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # the whole text once finished (up to its stop string)
 
     def add(self, delta: Delta) -> str:
         self.token_ids += delta.token_ids
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if delta.finished:
-            if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
-                cut = text.find(delta.stop_reason)
-                text = text[:cut] if cut >= 0 else text
+            text = self.text = text_before_stop(text, delta.finish_reason, delta.stop_reason)
             end = len(text)
         else:
             end = len(text) - self.hold
@@ -99,10 +100,6 @@ class TextStream:
                 end -= 1
         new, self.sent = text[self.sent : end], max(self.sent, end)
         return new
-
-    @property
-    def text(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -384,9 +381,6 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             for i, (text, final) in enumerate(zip(texts, finals)):
                 assert final is not None
                 content = text.text
-                if final.finish_reason == "stop" and isinstance(final.stop_reason, str):
-                    cut = content.find(final.stop_reason)
-                    content = content[:cut] if cut >= 0 else content
                 reason = openai_finish_reason(final.finish_reason)
                 if final.finish_reason == "error":
                     raise ApiError(500, "the engine's forward pass failed for this request")
@@ -405,7 +399,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     if wants_logprobs:
                         lp = completion_logprobs(tokens, logprobs[i], len(prompt_text), top_n)
                         if echo:
-                            lp = join_logprobs(echoed_logprobs(jobs[i][0], prompt_logprobs[i], top_n), lp)
+                            lp = join_logprobs(completion_logprobs(jobs[i][0], prompt_logprobs[i], 0, top_n), lp)
                         choice["logprobs"] = lp
                 choices.append(choice)
             num_completion = 0 if score_only else sum(len(t.token_ids) for t in texts)
@@ -473,32 +467,19 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         return sorted(entries.items(), key=lambda kv: -kv[1])[:count]
 
     def completion_logprobs(
-        tokens: list[int], entries: list[dict[int, float]], offset: int, top_n: int
+        tokens: list[int], entries: SequenceABC[dict[int, float] | None], offset: int, top_n: int
     ) -> dict[str, Any]:
-        """The completions API's logprobs: per token its text, its log probability, the top ones."""
+        """The completions API's logprobs: per token its text, its log probability and the top
+        ones (null where there is no entry: an echoed prompt's first token)."""
         texts = [token_text(t) for t in tokens]
         offsets = []
         for piece in texts:
             offsets.append(offset)
             offset += len(piece)
+        entries = (list(entries) + [None] * len(tokens))[: len(tokens)]
         return {
             "tokens": texts,
-            "token_logprobs": [e.get(t) for t, e in zip(tokens, entries)],
-            "top_logprobs": [{token_text(k): v for k, v in top_entries(e, top_n)} for e in entries],
-            "text_offset": offsets,
-        }
-
-    def echoed_logprobs(ids: list[int], entries: list[dict[int, float] | None], top_n: int) -> dict[str, Any]:
-        """The prompt's part of an echoed completion's logprobs (the first token's are null)."""
-        texts = [token_text(t) for t in ids]
-        offsets, offset = [], 0
-        for piece in texts:
-            offsets.append(offset)
-            offset += len(piece)
-        entries = (list(entries) + [None] * len(ids))[: len(ids)]
-        return {
-            "tokens": texts,
-            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(ids, entries)],
+            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(tokens, entries)],
             "top_logprobs": [
                 None if e is None else {token_text(k): v for k, v in top_entries(e, top_n)} for e in entries
             ],
