@@ -13,8 +13,10 @@ a plugin contributes:
 - a model: the checkpoint-name helpers (`SKIP`, `packed_target`, `safetensors_files`) and,
   for GGUF files, `GGUFArchitecture` and its helpers;
 - a proposer: `Proposer`, `ProposerContext`, `ProposalInput`, `Drafts`;
-- a sampler or verifier: `SamplingMetadata`, `Penalties`, `apply_penalties`,
-  `processed_probs`, `seed_for_step`;
+- a sampler or verifier: `SamplingMetadata`, `process_logits` (grammar masks, min_tokens,
+  logit bias and penalties: call it first), `Penalties`, `apply_penalties`, `processed_probs`,
+  `seed_for_step`;
+- a structured-output backend: `StructuredOutputBackend`, `Grammar`, `StructuredOutputParams`;
 - a scheduling policy: `SchedulingPolicy`, `StepBuilder`;
 - settings of its own (a policy's or a builder's `options_class`, read from
   `Config.additional_config`): validators whose errors name the setting, the limit and the
@@ -53,6 +55,10 @@ _LAZY = {
     "SamplingMetadata": "atom_core.runner.sampler",
     "Penalties": "atom_core.runner.sampler",
     "apply_penalties": "atom_core.runner.sampler",
+    "process_logits": "atom_core.runner.sampler",
+    "StructuredOutputBackend": "atom_core.structured_output.backend",
+    "Grammar": "atom_core.structured_output.backend",
+    "StructuredOutputParams": "atom_core.sampling_params",
     "processed_probs": "atom_core.runner.sampler",
     "seed_for_step": "atom_core.runner.sampler",
     "SKIP": "atom_core.loading.checkpoint",
@@ -76,7 +82,16 @@ if TYPE_CHECKING:
         KVCacheTensor,
     )
     from atom_core.runner.proposer import Drafts, ProposalInput, Proposer, ProposerContext
-    from atom_core.runner.sampler import Penalties, SamplingMetadata, apply_penalties, processed_probs, seed_for_step
+    from atom_core.runner.sampler import (
+        Penalties,
+        SamplingMetadata,
+        apply_penalties,
+        process_logits,
+        processed_probs,
+        seed_for_step,
+    )
+    from atom_core.sampling_params import StructuredOutputParams
+    from atom_core.structured_output.backend import Grammar, StructuredOutputBackend
 
 
 def __getattr__(name: str) -> Any:
@@ -113,6 +128,10 @@ __all__ = [
     "SchedulingPolicy",
     "StepBuilder",
     "apply_penalties",
+    "process_logits",
+    "StructuredOutputBackend",
+    "Grammar",
+    "StructuredOutputParams",
     "boolean",
     "empty_resident",
     "get_forward_context",

@@ -71,6 +71,89 @@ def _num_logprobs(inst: object, attr: attrs.Attribute, value: object) -> None:
         )
 
 
+def _min_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0, got {value!r}")
+    max_tokens = getattr(inst, "max_tokens", None)
+    if max_tokens is not None and value > max_tokens:
+        raise ValueError(f"min_tokens={value} exceeds max_tokens={max_tokens}")
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """Token id -> bias in [-100, 100] (OpenAI's range); JSON's string keys ("50256") become ints."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to a number, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key) if not isinstance(key, bool) and str(key).lstrip("-").isdigit() else -1
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if not is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(
+                f"logit_bias[{key!r}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r}"
+            )
+        out[token] = float(bias)
+    return out or None
+
+
+def _structured_output(value: object) -> StructuredOutputParams | None:
+    if value is None or isinstance(value, StructuredOutputParams):
+        return value
+    if isinstance(value, dict):
+        return StructuredOutputParams(**value)
+    raise ValueError(f"structured_output must be a StructuredOutputParams or a mapping, got {value!r}")
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@attrs.define(kw_only=True)
+class StructuredOutputParams:
+    """What the output must match (vLLM's `structured_outputs`): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a regular
+    expression, a `choice` of strings, or a Lark grammar (`grammar`). `backend` names a
+    `structured_output_backends` entry; None takes the default ("guidance", llguidance)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    backend: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_output needs exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_output.json must be a JSON schema (an object or its text), got {self.json!r}")
+        for name in ("regex", "grammar", "backend"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_output.choice must be a non-empty list of strings, got {self.choice!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_output.json_object must be True or False, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 def _stop_strings(value: object) -> list[str]:
     if value is None:
         return []
@@ -104,6 +187,9 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0, converter=_float_like, validator=_additive_penalty)
     # None: until a stop condition or max_model_len (vLLM's None)
     max_tokens: int | None = attrs.field(default=64, converter=_int_like, validator=_max_tokens)
+    # No EOS, stop token or stop string ends the request before it has this many tokens
+    # (their logits are masked until then), as vLLM's min_tokens.
+    min_tokens: int = attrs.field(default=0, converter=_int_like, validator=_min_tokens)
     ignore_eos: bool = attrs.field(default=False, validator=boolean)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
     # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
@@ -115,10 +201,27 @@ class SamplingParams:
     # -1: the whole vocabulary (within the engine's `max_logprobs`, as in vLLM).
     logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
     prompt_logprobs: int | None = attrs.field(default=None, converter=_int_like, validator=_num_logprobs)
+    # Added to the raw logits of these token ids (before penalties and temperature): -100 all
+    # but bans one, +100 all but forces it (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = attrs.field(default=None, converter=_logit_bias)
+    # A grammar the output must match; its mask applies before sampling. Such a request drafts nothing.
+    structured_output: StructuredOutputParams | None = attrs.field(default=None, converter=_structured_output)
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether anything changes this request's logits before sampling: then its greedy token
+        is not the raw argmax (no screened LM head), and it drafts nothing (each draft's logits
+        would depend on the drafts before it)."""
+        return (
+            self.has_penalties
+            or self.logit_bias is not None
+            or self.min_tokens > 0
+            or self.structured_output is not None
+        )
 
     @property
     def is_greedy(self) -> bool:

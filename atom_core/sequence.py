@@ -13,6 +13,7 @@ from atom_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from atom_core.sched.speculative import DraftGate
+    from atom_core.structured_output.backend import Grammar
 
 
 class SequenceStatus(Enum):
@@ -32,7 +33,8 @@ class FinishReason(Enum):
     MAX_TOKENS = "max_tokens"
     MAX_MODEL_LEN = "max_model_len"
     ABORT = "abort"
-    ERROR = "error"  # its step's forward pass raised
+    GRAMMAR = "grammar"  # its output completed its grammar (structured output): nothing may follow
+    ERROR = "error"  # its step's forward pass raised, or it sampled a token its grammar refuses
     UNSCHEDULABLE = "unschedulable"  # could never run under the settings (`finish_detail` says why)
 
 
@@ -104,6 +106,10 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] = [None]  # per prompt token; the first has none
         self.spec_token_probs = None  # the proposer's distributions for spec_token_ids, if it has them
         self.draft_gate: DraftGate | None = None  # speculative decoding: whether this request keeps drafting
+        self.grammar: Grammar | None = None  # structured output: the matcher its tokens follow
+        # The ids that would end it (EOS, stop token ids): banned while it has fewer than
+        # min_tokens tokens. Set by the scheduler, which knows the model's.
+        self.min_tokens_stop_ids: frozenset[int] = self.stop_token_ids
         self.num_placeholder = 0
         # Stateful attention (GDN) keeps one state group per request outside the paged pool.
         self.has_per_req_cache = has_per_req_cache

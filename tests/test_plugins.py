@@ -46,6 +46,10 @@ class InProcessPlugin:
     def atom_register_cpp_kernels(self, registry):
         registry.register("example", EXAMPLE_KERNEL)
 
+    @hookimpl
+    def atom_register_structured_output_backends(self, registry):
+        registry.register("inproc", "tests.test_plugins:Constant")
+
 
 class Constant:
     pass

@@ -120,6 +120,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._requests: dict[int, RequestState] = {}
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
+        self._structured_backends: dict[str, Any] = {}  # built on the first request that names one
         self.timings = self.runner.timings  # seconds per phase, summed over steps
 
     @staticmethod
@@ -223,7 +224,31 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         return params
+
+    def _grammar(self, params: SamplingParams) -> Any:
+        """A fresh matcher for a request with `structured_output` (None without): ValueError for a
+        grammar that does not compile or a backend no plugin registers."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        from atom_core.plugins.manager import get_registry
+        from atom_core.plugins.registry import RegistryError
+        from atom_core.structured_output.backend import DEFAULT_BACKEND
+
+        name = spec.backend or DEFAULT_BACKEND
+        backend = self._structured_backends.get(name)
+        if backend is None:
+            try:
+                cls = get_registry("structured_output_backends").get(name)
+            except RegistryError as e:
+                raise ValueError(f"structured_output.backend: {e}") from None
+            eos = [t for t in (self.config.eos_token_id, *self.config.stop_token_ids) if t is not None]
+            backend = self._structured_backends[name] = cls(self.tokenizer, self.vocab_size, eos)
+        return backend.compile(spec)
 
     def add_request(
         self,
@@ -233,15 +258,17 @@ class LLMEngine:
     ) -> int:
         """Queue one prompt; returns its request id. Errors leave nothing queued."""
         params = self._check_params(sampling_params or SamplingParams())
-        return self._add(self._token_ids(prompt), prompt, params, stream_callback)
+        ids = self._token_ids(prompt)
+        return self._add(ids, prompt, params, stream_callback, self._grammar(params))
 
-    def _add(self, ids: list[int], prompt: Any, params: SamplingParams, callback=None) -> int:
+    def _add(self, ids: list[int], prompt: Any, params: SamplingParams, callback=None, grammar=None) -> int:
         seq = Sequence(
             ids,
             self.config.kv_cache_block_size,
             params,
             has_per_req_cache=self.kv_plan.num_state_groups > 0,  # stateful attention (GDN)
         )
+        seq.grammar = grammar
         state = self._requests[seq.id] = RequestState(seq, prompt, callback)
         self.scheduler.add(seq)
         self.output_processor.emit(state)  # one that can never run ends here
@@ -358,7 +385,8 @@ class LLMEngine:
         else:
             params = [self._check_params(sampling_params or SamplingParams())] * len(prompts)
         token_ids = [self._token_ids(p) for p in prompts]  # every prompt checked before any is queued
-        ids = [self._add(t, p, sp) for t, p, sp in zip(token_ids, prompts, params)]
+        grammars = [self._grammar(sp) for sp in params]
+        ids = [self._add(t, p, sp, None, g) for t, p, sp, g in zip(token_ids, prompts, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[int], use_tqdm: bool) -> list[dict[str, Any]]:

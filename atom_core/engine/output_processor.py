@@ -67,7 +67,8 @@ class OutputProcessor:
         # emoji is three of a byte-level vocabulary), so a stop string of n UTF-8 bytes lies
         # within the last n tokens: decode only that tail.
         window = max(len(s.encode("utf-8")) for s in seq.stop_strings) + 4
-        for n in range(max(start, 1), len(tokens) + 1):
+        # under min_tokens no stop string counts (vLLM's rule: only past min_tokens tokens)
+        for n in range(max(start, 1, seq.sampling_params.min_tokens + 1), len(tokens) + 1):
             tail = self.tokenizer.decode(tokens[max(0, n - window) : n], skip_special_tokens=True)
             for s in seq.stop_strings:
                 if s in tail:

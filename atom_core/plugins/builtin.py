@@ -20,3 +20,8 @@ def atom_register_cpp_kernels(registry):
     registry.register("cpu_ops", "atom_core.layers.ops:CPU_OPS_KERNEL")
     registry.register("gemv", "atom_core.layers.gemm:GEMV_KERNEL")
     registry.register("moe", "atom_core.layers.moe:MOE_KERNEL")
+
+
+@hookimpl
+def atom_register_structured_output_backends(registry):
+    registry.register("guidance", "atom_core.structured_output.guidance:GuidanceBackend")

@@ -76,3 +76,12 @@ def atom_register_cpp_kernels(registry: PluginRegistry) -> None:
 
     Asked when `atom env` or `atom kernels` lists or builds them; the kernel itself is built
     per CPU variant when its plugin first loads it."""
+
+
+@hookspec
+def atom_register_structured_output_backends(registry: PluginRegistry) -> None:
+    """Register structured-output backends (`atom_core.structured_output.backend.StructuredOutputBackend`)
+    by name ("guidance" is llguidance's), e.g. `registry.register("xgrammar", "my_pkg.xg:XGrammarBackend")`.
+
+    Asked when a request with `structured_output` arrives and its engine has not yet built that
+    backend; built as `cls(tokenizer, vocab_size, eos_token_ids)`, once per engine."""

@@ -27,6 +27,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "scheduler_policies": ("atom_register_scheduler_policies", "scheduling policy"),
     "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
     "cpp_kernels": ("atom_register_cpp_kernels", "C++ kernel"),
+    "structured_output_backends": ("atom_register_structured_output_backends", "structured-output backend"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

@@ -261,7 +261,7 @@ class ModelRunner:
         tokens: list[list[int]] = [[] for _ in drafts]
         if plain:
             rows = logits if not drafting else logits[torch.as_tensor(starts[plain], device=logits.device)]
-            sampled = self.sampler(rows, SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in plain))
+            sampled = self.sampler(rows, SamplingMetadata.from_seqs((seqs[sample_ids[i]] for i in plain), rows.shape[-1]))
             sampled = sampled.tolist()
             if len(sampled) != len(plain):
                 raise RuntimeError(
@@ -281,7 +281,7 @@ class ModelRunner:
                 rows.float(),
                 [drafts[i] for i in drafting],
                 [seqs[sample_ids[i]].spec_token_probs for i in drafting],
-                SamplingMetadata.from_seqs(seqs[sample_ids[i]] for i in drafting),
+                SamplingMetadata.from_seqs((seqs[sample_ids[i]] for i in drafting), rows.shape[-1]),
             )
             for i, t in zip(drafting, verified):
                 tokens[i] = t
@@ -304,13 +304,14 @@ class ModelRunner:
     @staticmethod
     def _argmax_only(sample_ids: list[int], seqs: dict[int, Sequence]) -> bool:
         """Whether this step reads nothing of its logits but each row's argmax: every sampling
-        request greedy without log probabilities or penalties (which move other logits past the
-        maximum; the sampler's part is `screens_lm_head`)."""
+        request greedy without log probabilities or anything that changes its logits (penalties,
+        a bias, a grammar: they move other logits past the maximum; the sampler's part is
+        `screens_lm_head`)."""
         if not sample_ids:
             return False
         for rid in sample_ids:
             params = seqs[rid].sampling_params
-            if not params.is_greedy or params.logprobs is not None or params.has_penalties:
+            if not params.is_greedy or params.logprobs is not None or params.modifies_logits:
                 return False
         return True
 

@@ -1,4 +1,5 @@
-"""The default sampler: penalties, greedy, temperature, min-p, top-k, top-p, and per-request seeds.
+"""The default sampler: logits processing (grammar masks, min_tokens, logit bias, penalties),
+greedy, temperature, min-p, top-k, top-p, and per-request seeds.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from
 `p` exactly. A seeded request draws its noise from a generator keyed by (seed, how many
@@ -37,9 +38,18 @@ class SamplingMetadata:
     steps: list[int]  # tokens each request has generated so far
     min_ps: list[float] | None = None  # None: no row drops by min_p
     penalties: list[Penalties | None] | None = None  # None: no row has penalties
+    # Per row the token ids added to (logit_bias) and the ids it may not sample yet (its stop
+    # ids under min_tokens); None: no row has any.
+    logit_biases: list[dict[int, float] | None] | None = None
+    banned_token_ids: list[list[int] | None] | None = None
+    # int32 [rows, ceil(vocab / 32)]: the tokens each row's grammar allows next (see
+    # `structured_output.backend`); None: no row has a grammar.
+    allowed_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def from_seqs(cls, seqs) -> SamplingMetadata:
+    def from_seqs(cls, seqs, vocab_size: int | None = None) -> SamplingMetadata:
+        """Each sequence's settings; a grammar's mask is computed here, for the step about to
+        sample (`vocab_size`, the logits' width, sizes it)."""
         seqs = list(seqs)
         params = [s.sampling_params for s in seqs]
         min_ps = [p.min_p for p in params]
@@ -48,6 +58,21 @@ class SamplingMetadata:
                       s.prompt_token_ids, s.completion_token_ids) if p.has_penalties else None
             for s, p in zip(seqs, params)
         ]  # fmt: skip
+        biases = [p.logit_bias for p in params]
+        banned = [
+            sorted(s.min_tokens_stop_ids) if s.num_completion_tokens < p.min_tokens else None
+            for s, p in zip(seqs, params)
+        ]
+        bitmask = None
+        grammars = [getattr(s, "grammar", None) for s in seqs]
+        if any(g is not None for g in grammars):
+            from atom_core.structured_output.backend import allocate_bitmask
+
+            assert vocab_size is not None, "a grammar's mask needs the logits' width"
+            bitmask = allocate_bitmask(len(seqs), vocab_size)
+            for row, grammar in enumerate(grammars):
+                if grammar is not None:
+                    grammar.fill_bitmask(bitmask, row)
         return cls(
             temperatures=[s.temperature for s in seqs],
             top_ks=[s.top_k for s in seqs],
@@ -56,7 +81,32 @@ class SamplingMetadata:
             steps=[s.num_completion_tokens for s in seqs],
             min_ps=min_ps if any(min_ps) else None,
             penalties=penalties if any(x is not None for x in penalties) else None,
+            logit_biases=biases if any(b is not None for b in biases) else None,
+            banned_token_ids=banned if any(b for b in banned) else None,
+            allowed_bitmask=bitmask,
         )
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 logits with everything but sampling applied, in vLLM's order: the grammar's
+    mask, min_tokens' banned stop ids, logit bias, then penalties. Every sampler calls this
+    first (a plugin sampler too: a request's grammar and bias hold whichever samples it)."""
+    if meta.allowed_bitmask is not None:
+        from atom_core.structured_output.backend import apply_bitmask
+
+        logits = apply_bitmask(logits, meta.allowed_bitmask)
+    if meta.banned_token_ids is not None or meta.logit_biases is not None:
+        logits = logits.clone()
+        dev = logits.device
+        for row, banned in enumerate(meta.banned_token_ids or ()):
+            if banned:
+                logits[row, torch.tensor(banned, dtype=torch.int64, device=dev)] = float("-inf")
+        for row, bias in enumerate(meta.logit_biases or ()):
+            if bias:
+                ids = torch.tensor([t for t in bias if t < logits.shape[-1]], dtype=torch.int64, device=dev)
+                values = torch.tensor([v for t, v in bias.items() if t < logits.shape[-1]], dtype=logits.dtype)
+                logits[row].index_add_(0, ids, values.to(dev))
+    return apply_penalties(logits, meta.penalties)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None] | None) -> torch.Tensor:
@@ -101,7 +151,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits: [num_reqs, vocab] in any float dtype -> one token id per request, from float32
         (widening is exact; `ops.argmax` reads float32 rows with AVX-512)."""
-        logits = apply_penalties(logits.float(), meta.penalties)
+        logits = process_logits(logits.float(), meta)
         greedy_tokens = argmax(logits)
         greedy = [t == 0 or k == 1 for t, k in zip(meta.temperatures, meta.top_ks)]
         if all(greedy):

@@ -75,6 +75,9 @@ class Scheduler(AtomSchedulerCounters):
             raise ValueError(f"a request with id {seq.id} is already queued")
         if not seq.arrive_time:
             seq.arrive_time = time.perf_counter()
+        if seq.sampling_params.min_tokens:
+            model_stops = () if seq.ignore_eos else (self.eos_token_id, *self.stop_token_ids)
+            seq.min_tokens_stop_ids = seq.stop_token_ids | {t for t in model_stops if t is not None}
         if self.use_spec and seq.draft_gate is None:
             spec = self.config.speculative_config
             assert spec is not None  # use_spec
@@ -278,6 +281,8 @@ class Scheduler(AtomSchedulerCounters):
                 if not seq.first_token_time:
                     seq.first_token_time = now
                 reason = self._stop_reason(seq, token_id)
+                if seq.grammar is not None and reason is None:
+                    reason = self._grammar_stop(seq, token_id)
                 if reason is not None:
                     break
             num_drafted = len(seq.spec_token_ids) if seq.type is decode else 0
@@ -315,6 +320,17 @@ class Scheduler(AtomSchedulerCounters):
             stream_output_queue.put_nowait(outputs)
         return finished
 
+    @staticmethod
+    def _grammar_stop(seq: Sequence, token_id: int) -> tuple[FinishReason, int | None, str | None] | None:
+        """The grammar follows the token; the request ends when the grammar is complete (or was
+        broken: a sampler that ignored its mask)."""
+        assert seq.grammar is not None
+        if not seq.grammar.accept_token(token_id):
+            return FinishReason.ERROR, None, f"token {token_id} does not match the request's structured_output"
+        if seq.grammar.is_terminated():
+            return FinishReason.GRAMMAR, None, None
+        return None
+
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
         """Why `seq` ends at `token_id`, with the stop token if one ended it; None if it goes on.
 
@@ -323,6 +339,8 @@ class Scheduler(AtomSchedulerCounters):
         (`atom_core.engine.output_processor`)."""
         num_tokens = seq._num_tokens
         num_completion = num_tokens - seq.num_prompt_tokens
+        if num_completion < seq.sampling_params.min_tokens:  # nothing but the limits ends it yet
+            return self._length_reason(seq, num_tokens, num_completion)
         for stop in seq.stop_token_sequences:
             n = len(stop)
             if n <= num_completion and seq.token_ids[-n:] == stop:
@@ -335,6 +353,9 @@ class Scheduler(AtomSchedulerCounters):
                 return FinishReason.STOP_TOKEN, token_id
         if token_id in seq.stop_token_ids:  # the request's own: ignore_eos does not lift them
             return FinishReason.STOP_TOKEN, token_id
+        return self._length_reason(seq, num_tokens, num_completion)
+
+    def _length_reason(self, seq: Sequence, num_tokens: int, num_completion: int) -> tuple[FinishReason, None] | None:
         if num_completion >= seq.max_tokens:
             return FinishReason.MAX_TOKENS, None
         if self.max_model_len is not None and num_tokens >= self.max_model_len:

@@ -42,7 +42,7 @@ def wanted_drafts(seq: Sequence, num_new_tokens: int, k: int, max_model_len: int
     greedy requests' drafts (their tokens are the same either way; a sampled request's are not).
     """
     params = seq.sampling_params
-    if (busy and params.is_greedy) or params.has_penalties:  # a draft's penalties depend on the drafts before it
+    if (busy and params.is_greedy) or params.modifies_logits:  # a draft's logits would depend on the drafts before it
         return 0
     gate = seq.draft_gate
     if gate is not None:
