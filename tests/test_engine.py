@@ -124,7 +124,7 @@ def test_per_request_stop_token_ids_end_only_that_request_even_with_ignore_eos(t
     assert (stopped["finish_reason"], stopped["token_ids"]) == (f"stop_{stop}", expected[: first + 1])
     assert (other["finish_reason"], other["token_ids"]) == ("max_tokens", expected)
     assert engine.scheduler.block_manager.num_free_blocks == 32
-    with pytest.raises(ValueError, match=f"stop_token_ids holds {engine.vocab_size}, outside the vocabulary"):
+    with pytest.raises(ValueError, match=f"stop_token_ids names token {engine.vocab_size}, outside the vocabulary"):
         engine.add_request(PROMPTS[0], SamplingParams(stop_token_ids=[1, engine.vocab_size]))
     with pytest.raises(ValueError, match="stop_token_ids must hold token ids"):
         SamplingParams(stop_token_ids=[-1])

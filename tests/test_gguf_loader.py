@@ -250,7 +250,7 @@ def test_two_files_of_one_name_size_and_time_convert_apart(tmp_path, monkeypatch
     import shutil
 
     import atom_core.loading.gguf.convert
-    from atom_core.engine.llm_engine import resolve_model
+    from atom_core.engine.model_source import resolve_model
 
     def convert(path: Path, out: Path) -> Path:  # what a conversion leaves, and which file it was
         out.mkdir(parents=True)

@@ -17,7 +17,7 @@ from atom_core.plugin_api import Grammar, StructuredOutputBackend, hookimpl
 from atom_core.runner.sampler import SamplingMetadata, process_logits
 from atom_core.sched.speculative import wanted_drafts
 from atom_core.structured_output.backend import allocate_bitmask, apply_bitmask
-from tests.conftest import make_seq
+from conftest import make_seq
 
 # Bounded: every string, array and number has a limit, so a valid answer fits in max_tokens.
 CAT_SCHEMA = {

@@ -7,7 +7,9 @@ Tests add an in-process plugin with `get_plugin_manager().register(obj)`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import os
 import warnings
 from typing import Any
 
@@ -17,6 +19,10 @@ from atom_core.plugins import hookspecs
 from atom_core.plugins.registry import PluginRegistry, Registry
 
 ENTRY_POINT_GROUP = "atom"
+# Modules to load as plugins besides the entry points, comma-separated (as pytest's
+# PYTEST_PLUGINS): a plugin under development, or a test's, without packaging it. Child
+# processes (`atom serve`'s engine cores) inherit it.
+PLUGINS_ENV = "ATOM_PLUGINS"
 
 # registry kind -> (hook that fills it, what one entry is called in messages)
 REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
@@ -69,6 +75,16 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             warnings.warn(f"atom plugin {name!r} ({ep.value}, from {dist}) failed to load: {e}", stacklevel=2)
             continue
         plugin_distributions[name] = f"{dist} {ep.dist.version}" if ep.dist is not None else "?"
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        if pm.get_plugin(module) is not None:
+            continue
+        try:
+            pm.register(importlib.import_module(module), name=module)
+        except Exception as e:
+            failed_plugins[module] = f"{module} from {PLUGINS_ENV}: {type(e).__name__}: {e}"
+            warnings.warn(f"atom plugin {module!r} (from {PLUGINS_ENV}) failed to load: {e}", stacklevel=2)
+            continue
+        plugin_distributions[module] = PLUGINS_ENV
     _warn_unknown_hooks(pm)
 
 

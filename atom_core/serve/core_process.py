@@ -20,7 +20,6 @@ from atom_core.serve.protocol import (
     AbortRequest,
     AddRequest,
     Delta,
-    EngineStats,
     Ping,
     Pong,
     Ready,
@@ -61,24 +60,27 @@ def run_core(
 
 
 class EngineCoreLoop:
+    """An `EngineCore` behind two sockets: requests in, one `StepOutput` per step out."""
+
     def __init__(self, model: str | None, config: dict[str, Any], rank: int = 0):
-        from atom_core.engine.llm_engine import LLMEngine
+        from atom_core.engine.engine_core import EngineCore
+        from atom_core.engine.model_source import load_model_source
 
         self.rank = rank
-        self.engine = LLMEngine(model, **{k: v for k, v in config.items() if k != "data_parallel_size"})
+        self.core = EngineCore(load_model_source(model, **config))
         self.ids: dict[int, str] = {}  # engine request id -> the server's id
         self.rids: dict[str, int] = {}
         self.pending: list[Delta] = []
 
     def ready(self) -> Ready:
-        engine = self.engine
-        assert engine.config.max_model_len is not None
-        return Ready(engine.config.max_model_len, engine.vocab_size, engine.kv_plan.num_blocks, self.rank)
+        core = self.core
+        assert core.config.max_model_len is not None
+        return Ready(core.config.max_model_len, core.vocab_size, core.kv_plan.num_blocks, self.rank)
 
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-        engine = self.engine
+        core = self.core
         while True:
-            timeout = 0 if engine.has_unfinished_requests() else IDLE_POLL_MS
+            timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
             while inbox.poll(timeout):
                 timeout = 0
                 try:
@@ -91,31 +93,17 @@ class EngineCoreLoop:
                 reply = self.handle(message)
                 if reply is not None:
                     outbox.send(encoder.encode(reply))
-            stepped = engine.has_unfinished_requests()
+            stepped = core.has_unfinished_requests()
             if stepped:
                 try:
-                    results = engine.step()
+                    results = core.step()
                 except Exception:  # the step's requests end with "error"; the others go on
                     logger.exception("atom core: a step failed")
                     results = []
                 self.finish(results)
             if self.pending or stepped:
-                outbox.send(encoder.encode(StepOutput(self.pending, self.stats(), self.rank)))
+                outbox.send(encoder.encode(StepOutput(self.pending, core.stats(), self.rank)))
                 self.pending = []
-
-    def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        pool = scheduler.block_manager
-        usable = pool.num_blocks - len(pool.reserved_block_ids)
-        spec = scheduler.spec_stats
-        return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_cache_usage=(usable - pool.num_free_blocks) / usable if usable else 0.0,
-            num_preemptions=scheduler.num_preemptions,
-            spec_draft_tokens=spec.num_draft_tokens,
-            spec_accepted_tokens=spec.num_accepted_tokens,
-        )
 
     def handle(self, message: Any) -> Any:
         if isinstance(message, AddRequest):
@@ -123,10 +111,10 @@ class EngineCoreLoop:
         if isinstance(message, AbortRequest):
             rid = self.rids.get(message.id)
             if rid is not None:
-                self.engine.abort(rid)
+                self.core.abort(rid)
             return None
         if isinstance(message, Ping):
-            scheduler = self.engine.scheduler
+            scheduler = self.core.scheduler
             return Pong(message.nonce, len(scheduler.running), len(scheduler.waiting), self.rank)
         return None
 
@@ -138,7 +126,7 @@ class EngineCoreLoop:
         try:
             params = SamplingParams(**message.params)
             sid = message.id
-            rid = self.engine.add_request(
+            rid = self.core.add_request(
                 message.prompt_token_ids, params, stream_callback=lambda out: self.collect(sid, out)
             )
         except (ValueError, TypeError) as e:

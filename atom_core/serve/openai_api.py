@@ -44,8 +44,11 @@ REFUSED_FIELDS = ("best_of", "suffix")
 KNOWN_FIELDS = frozenset(
     "model prompt messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop stream "
     "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
-    "ignore_eos stop_token_ids user tools tool_choice best_of suffix".split()
+    "ignore_eos stop_token_ids user tools tool_choice best_of suffix logit_bias min_tokens prompt_logprobs "
+    "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar".split()
 )
+# vLLM's older per-kind fields, read as `structured_outputs` entries.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 MAX_N = 64
 
 
@@ -144,8 +147,48 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
         "stop_strings": stop or [],
         "stop_token_ids": _field(body, "stop_token_ids", (list,), []),
         "ignore_eos": _field(body, "ignore_eos", (bool,), False),
+        "min_tokens": _field(body, "min_tokens", (int,), 0),
+        "logit_bias": _field(body, "logit_bias", (dict,)),
+        "structured_output": structured_output(body),
     }
+    prompt_logprobs = _field(body, "prompt_logprobs", (int,))
+    if prompt_logprobs is not None:
+        params["prompt_logprobs"] = prompt_logprobs
     return params  # checked whole by `run`, once the endpoint has added its own fields
+
+
+def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's grammar: vLLM's `structured_outputs` (or its older `guided_*` fields), or
+    OpenAI's `response_format` (`json_object`, `json_schema`; `text` is none)."""
+    spec = _field(body, "structured_outputs", (dict,))
+    guided = {kind: body[name] for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None}
+    response_format = _field(body, "response_format", (dict,))
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            guided["json_object"] = True
+        elif kind == "json_schema":
+            schema = (response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", "response_format")
+            guided["json"] = schema
+        elif kind != "text":
+            raise ApiError(
+                400, f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
+    if spec is not None and guided:
+        raise ApiError(400, "give structured_outputs or response_format (or guided_*), not both", "structured_outputs")
+    spec = spec if spec is not None else guided or None
+    if spec is None:
+        return None
+    known = {"json", "json_object", "regex", "choice", "grammar", "backend"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ApiError(
+            400, f"structured_outputs has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+            "structured_outputs",
+        )  # fmt: skip
+    return spec
 
 
 def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
@@ -233,8 +276,19 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise ApiError(400, f"prompt must be a string, got {prompt!r}", "prompt")
-            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            ids = tokenizer.encode(prompt, add_special_tokens=_field(body, "add_special_tokens", (bool,), True))
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """What a client needs to tokenize through this server (lm-eval's remote tokenizer)."""
+        return {
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": max_model_len,
+        }
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -385,6 +439,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 if final.finish_reason == "error":
                     raise ApiError(500, "the engine's forward pass failed for this request")
                 choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": final.stop_reason}
+                if body.get("prompt_logprobs") is not None:  # vLLM's extra: per prompt token, id -> entry
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs[i])
                 tokens = text.token_ids
                 if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
                     tokens, content, logprobs[i] = [], "", []
@@ -486,6 +542,12 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             "text_offset": offsets,
         }
 
+    def vllm_prompt_logprobs(entries: list[dict[int, float] | None]) -> list[dict[str, Any] | None]:
+        return [
+            None if e is None else {str(t): {"logprob": v, "decoded_token": token_text(t)} for t, v in e.items()}
+            for e in entries
+        ]
+
     def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         return {k: first[k] + second[k] for k in first}
 
@@ -514,7 +576,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             if body.get("stream"):
                 raise ApiError(400, "echo is not supported with stream", "echo")
             if logprobs is not None:
-                params["prompt_logprobs"] = logprobs
+                params["prompt_logprobs"] = max(logprobs, params.get("prompt_logprobs") or 0)
             if params["max_tokens"] == 0:  # score the prompt only: one token is run, then dropped
                 params["max_tokens"] = 1
                 body = {**body, "_score_only": True}

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from atom_core.engine.engine_core import EngineStats
+
 # Largest frame a receiver accepts (zmq.MAXMSGSIZE): a prompt of a million token ids fits.
 MAX_FRAME_BYTES = 16 << 20
 
@@ -56,17 +58,6 @@ class Delta(msgspec.Struct):
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-class EngineStats(msgspec.Struct):
-    """The core's state after a step, for `/metrics` (totals since the core started)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # share of the pool's blocks in use, 0 to 1
-    num_preemptions: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
 
 class StepOutput(msgspec.Struct, tag="step"):

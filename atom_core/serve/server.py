@@ -31,7 +31,7 @@ def serve(
     from fastapi.responses import JSONResponse
     from transformers import AutoTokenizer
 
-    from atom_core.engine.llm_engine import resolve_model
+    from atom_core.engine.model_source import resolve_model
     from atom_core.serve.client import EngineClient
     from atom_core.serve.openai_api import build_app, error_body
 
