@@ -4,6 +4,7 @@ on a free loopback port, with the default model; offline `LLMEngine` is the refe
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,13 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str):
+def start_server(*flags: str, env: dict[str, str] | None = None):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "atom_core.cli", "serve", "--port", str(port), "--max-model-len", "1024", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -393,7 +395,6 @@ def core_pids(server_pid: int) -> list[int]:
 
 
 def test_a_rank_killed_mid_stream_fails_its_requests_and_the_server_says_so():
-    import os
     import signal
 
     proc, url = start_server("--api-key", "sesame")
@@ -435,3 +436,254 @@ def test_atom_bench_serve_reports_json(server):
         assert lv["requests"] == 4 and lv["output_throughput"] > 0
         assert lv["ttft"]["median_ms"] > 0 and lv["e2e"]["p99_ms"] >= lv["e2e"]["median_ms"]
         assert abs(lv["output_throughput"] * lv["duration_s"] - 4 * 8) < 1e-6  # every reply 8 tokens (ignore_eos)
+
+
+# -- sampling fields and grammars over HTTP ----------------------------------------------
+
+CAT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "colour": {"enum": ["black", "white", "ginger", "grey"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "toys": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "colour", "age", "toys"],
+    "additionalProperties": False,
+}
+CAT = [{"role": "user", "content": "Describe a cat as JSON with its name, colour, age and toys."}]
+
+
+def test_sampled_replies_under_a_json_schema_validate_and_json_object_parses(client, model_name):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "cat", "schema": CAT_SCHEMA}}
+
+    def ask(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=model_name, messages=CAT, response_format=response_format, temperature=1.0, seed=seed, max_tokens=150
+        )
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(20)))
+    assert len(set(replies)) > 1
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), CAT_SCHEMA)
+    short = [{"role": "user", "content": "Give a JSON object with a cat's name and age."}]
+    r = client.chat.completions.create(
+        model=model_name, messages=short, response_format={"type": "json_object"}, temperature=0, max_tokens=60
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_structured_outputs_choice_and_regex_stream_as_whole(client, model_name):
+    r = client.completions.create(
+        model=model_name, prompt="Pick a colour:", max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["crimson", "teal"]}},
+    )  # fmt: skip
+    assert r.choices[0].text in ("crimson", "teal") and r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model=model_name, prompt="A year:", max_tokens=10, temperature=0, stream=True,
+        extra_body={"guided_regex": "(19|20)[0-9]{2}"},
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert len(text) == 4 and text[:2] in ("19", "20") and text.isdigit()
+
+
+def test_logit_bias_and_min_tokens_act_as_defined(client, model_name, offline):
+    def completion(**extra):
+        r = client.completions.create(model=model_name, prompt=PROMPT, temperature=0, **extra)
+        return r.choices[0]
+
+    first = offline.tokenizer.encode(completion(max_tokens=1).text, add_special_tokens=False)[0]
+    banned = completion(max_tokens=1, logit_bias={str(first): -100}, logprobs=0)
+    assert banned.text != completion(max_tokens=1).text
+    forced = completion(max_tokens=3, logit_bias={"1234": 100})
+    assert forced.text == offline.tokenizer.decode([1234] * 3)
+    short = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=200)
+    assert short.choices[0].finish_reason == "stop"
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(
+        model=model_name, messages=QUESTION, temperature=0, max_tokens=200, extra_body={"min_tokens": n + 10}
+    )
+    assert longer.usage.completion_tokens >= n + 10
+
+
+def test_tokenizer_info_serves_what_a_remote_tokenizer_needs(server, offline):
+    info = httpx.get(f"{server}/tokenizer_info", timeout=10).json()
+    tok = offline.tokenizer
+    assert (info["eos_token"], info["bos_token"], info["chat_template"]) == (
+        tok.eos_token, tok.bos_token, tok.chat_template
+    )
+
+
+def lm_eval_tasks(folder) -> None:
+    """A multiple-choice and a generate-until task over local JSONL files."""
+    (folder / "mc.jsonl").write_text(
+        "\n".join(json.dumps(d) for d in [
+            {"question": "What is the capital of France?", "choices": ["Paris", "London", "Berlin"], "answer": 0},
+            {"question": "What colour is the sky on a clear day?", "choices": ["blue", "green", "red"], "answer": 0},
+            {"question": "How many legs does a cat have?", "choices": ["four", "two", "six"], "answer": 0},
+        ])  # fmt: skip
+    )
+    (folder / "gen.jsonl").write_text(
+        "\n".join(json.dumps(d) for d in [
+            {"question": "The capital of France is", "answer": " Paris."},
+            {"question": "Once upon a time", "answer": " there"},
+        ])  # fmt: skip
+    )
+    common = "dataset_path: json\ntest_split: test\n"
+    (folder / "atom_mc.yaml").write_text(
+        f"task: atom_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n"
+    )
+    (folder / "atom_gen.yaml").write_text(
+        f"task: atom_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 12\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+
+
+def test_lm_eval_loglikelihoods_and_generations_equal_the_engines(server, model_name, offline, tmp_path):
+    lm_eval_tasks(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"model={model_name},base_url={server}/v1/completions,tokenizer_backend=remote,num_concurrent=2,max_retries=1",
+         "--tasks", "atom_mc,atom_gen", "--include_path", str(tmp_path), "--log_samples",
+         "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    tok = offline.tokenizer
+    (mc,) = (tmp_path / "out").rglob("samples_atom_mc_*.jsonl")
+    checked = 0
+    for line in mc.read_text().splitlines():
+        sample = json.loads(line)
+        for args, resp in zip(sample["arguments"].values(), sample["resps"]):
+            context, continuation = args["arg_0"], args["arg_1"]
+            whole = tok.encode(context + continuation, add_special_tokens=False)
+            n_context = len(tok.encode(context, add_special_tokens=False))
+            ref = offline.generate(
+                [whole], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False
+            )[0]["prompt_logprobs"]
+            want = sum(ref[i][whole[i]] for i in range(n_context, len(whole)))
+            assert abs(float(resp[0][0]) - want) < 1e-4, (args, resp, want)
+            checked += 1
+    assert checked == 9
+    (gen,) = (tmp_path / "out").rglob("samples_atom_gen_*.jsonl")
+    for line in gen.read_text().splitlines():
+        sample = json.loads(line)
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        want = offline.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=12, stop_strings=["\n"]), use_tqdm=False
+        )[0]["text"]
+        assert sample["resps"] == [[want]]
+
+
+# -- faults, cut streams and hostile frames ----------------------------------------------
+
+
+def test_an_injected_forward_pass_fault_is_a_500_and_the_server_goes_on():
+    fault_seed = 66613  # tests/fault_plugin.py's: a step holding a request with this seed raises
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc, url = start_server(
+        "--sampler", "faulty",
+        env={"ATOM_PLUGINS": "fault_plugin", "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 4, "seed": fault_seed}
+        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        events = sse_events(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "seed": 1}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        values = metric_values(url)
+        assert values['atom:num_requests_running{engine="0"}'] == 0
+    finally:
+        stop_server(proc)
+
+
+def test_64_streams_with_16_cut_leave_the_pool_whole(server, model_name, offline):
+    import asyncio
+
+    want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    want_text = want[0]["text"]
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def one(http: httpx.AsyncClient, i: int) -> str | None:
+        pieces = []
+        async with http.stream("POST", f"{server}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                if i % 4 == 0 and len(pieces) == 3:
+                    return None  # cut mid-stream: leaving the block closes the connection
+        return "".join(pieces)
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(64)))
+
+    texts = asyncio.run(run())
+    assert sum(t is None for t in texts) == 16
+    assert all(t == want_text for t in texts if t is not None)
+    deadline = time.time() + 5
+    while True:
+        values = metric_values(server)
+        idle = [values[f'atom:{n}{{engine="0"}}'] for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if idle == [0.0, 0.0, 0.0] or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle == [0.0, 0.0, 0.0]
+
+
+def test_hostile_frames_on_both_sockets_are_dropped_and_requests_complete():
+    """Frames sent from a socket of the test's own to the engine core's inbox and to the API
+    side's outbox: garbage, a pickle, truncated, wrong types, an unknown tag, oversized."""
+    import asyncio
+
+    import zmq
+
+    from atom_core.serve.client import EngineClient
+
+    good = protocol.encoder.encode(protocol.AddRequest("x", [1, 2, 3], {"max_tokens": 2}))
+    frames = [
+        b"garbage", b"\x80\x04\x95pickle", good[:-4],
+        protocol.encoder.encode({"type": "add", "id": 1, "prompt_token_ids": "no", "params": []}),
+        protocol.encoder.encode({"type": "exec", "code": "import os"}),
+        protocol.encoder.encode({"type": "step", "deltas": [{"id": 5}]}),
+        b"\x00" * (protocol.MAX_FRAME_BYTES + 1),
+    ]  # fmt: skip
+
+    async def run() -> list[int]:
+        client = EngineClient(str(fetch_default_model(quiet=True)), {"max_model_len": 256, "num_kvcache_blocks": 64})
+        await client.start()
+        try:
+            context = zmq.Context()
+            for endpoint in (f"ipc://{client._dir}/in0", f"ipc://{client._dir}/out"):
+                fuzz = context.socket(zmq.PUSH)
+                fuzz.connect(endpoint)
+                for frame in frames:
+                    fuzz.send(frame)
+                fuzz.close(linger=2000)
+            context.term()
+            await asyncio.sleep(0.5)
+            tokens: list[int] = []
+            async for delta in client.generate("after-fuzz", [1, 2, 3], {"max_tokens": 5, "ignore_eos": True}):
+                tokens += delta.token_ids
+            assert client.dead is None
+            return tokens
+        finally:
+            await client.close()
+
+    assert len(asyncio.run(run())) == 5
