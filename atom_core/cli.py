@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /tokenize")
     serve.add_argument("--health-timeout", type=float, default=5.0, help="seconds /health waits for the engine")
+    serve.add_argument(
+        "--core-threads", type=int, default=None,
+        help="torch threads of each engine core (default: this machine's cores / --data-parallel-size)",
+    )  # fmt: skip
     add_config_flags(serve)
 
     talk = sub.add_parser("chat", help="a streamed chat on the terminal, with a local model or a server (--url)")
@@ -103,19 +107,29 @@ def main(argv: list[str] | None = None) -> int:
     talk.add_argument("--max-tokens", type=int, default=None, help="per reply (default: up to the context)")
     talk.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
 
-    bench = sub.add_parser("bench", help="measure a server (bench serve)")
+    bench = sub.add_parser("bench", help="measure a server (bench serve) or the engine in-process (bench offline)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bs = bench_sub.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000")
     bs.add_argument("--model", default=None, help="default: the server's first model")
-    bs.add_argument("--num-prompts", type=int, default=32)
-    bs.add_argument("--input-len", type=int, default=128, help="tokens per random prompt")
-    bs.add_argument("--output-len", type=int, default=128, help="tokens per reply (ignore_eos)")
-    bs.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels, run in turn")
+    bs.add_argument("--api-key", default=None)
     bs.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    bs.add_argument("--dataset", default=None, help='a JSONL file of {"prompt": ...} lines')
-    bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bo = bench_sub.add_parser("offline", help="the same load through an in-process LLMEngine (add_request / step)")
+    bo.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: SmolLM2)")
+    add_config_flags(bo)
+    for b in (bs, bo):
+        b.add_argument("--num-prompts", type=int, default=32)
+        b.add_argument("--input-len", type=int, default=128, help="tokens per random prompt")
+        b.add_argument("--output-len", type=int, default=128, help="tokens per reply (ignore_eos)")
+        b.add_argument("--max-concurrency", default="1,8,32", help="comma-separated levels, run in turn")
+        b.add_argument("--dataset", default=None, help='a JSONL file of {"prompt": ...} lines')
+        if b is bs:  # offline's --seed is the Config field (the engine's seed), prompts' too
+            b.add_argument("--seed", type=int, default=0)
+        b.add_argument(
+            "--goodput", nargs="+", default=None, metavar="METRIC:MS",
+            help="latency targets (ttft, tpot, e2el in ms, e.g. ttft:500 tpot:50): report requests/s meeting all",
+        )  # fmt: skip
+        b.add_argument("--json", action="store_true", help="print the figures as JSON")
 
     args = parser.parse_args(argv)
     try:
@@ -168,6 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve(
         args.model, config_from_flags(args), host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
+        core_threads=args.core_threads,
     )  # fmt: skip
     return 0
 
@@ -175,12 +190,24 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import json
 
-    from atom_core.serve.bench import bench_serve, print_table
+    from atom_core.serve.bench import bench_offline, bench_serve, parse_goodput, print_table
 
-    levels = bench_serve(
-        args.base_url, args.model, args.num_prompts, args.input_len, args.output_len,
-        [int(c) for c in args.max_concurrency.split(",")], args.request_rate, args.dataset, args.seed,
-    )  # fmt: skip
+    levels_arg = [int(c) for c in args.max_concurrency.split(",")]
+    if any(c < 1 for c in levels_arg):
+        raise ValueError(f"--max-concurrency levels must be >= 1, got {args.max_concurrency}")
+    goodput = parse_goodput(args.goodput)
+    if args.bench_command == "serve":
+        levels = bench_serve(
+            args.base_url, args.model, args.num_prompts, args.input_len, args.output_len, levels_arg,
+            args.request_rate, args.dataset, args.seed, api_key=args.api_key, goodput=goodput,
+        )  # fmt: skip
+    else:
+        from atom_core.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args.model, **config_from_flags(args))
+        levels = bench_offline(
+            engine, args.num_prompts, args.input_len, args.output_len, levels_arg, args.dataset, args.seed or 0, goodput
+        )
     if args.json:
         print(json.dumps(levels, indent=2))
     else:

@@ -423,10 +423,13 @@ def test_a_rank_killed_mid_stream_fails_its_requests_and_the_server_says_so():
         stop_server(proc)
 
 
-def test_atom_bench_serve_reports_json(server):
+@pytest.mark.parametrize("where", ["serve", "offline"])
+def test_atom_bench_reports_json_with_goodput(server, where):
+    target = ["--base-url", server] if where == "serve" else ["--max-model-len", "256"]
     out = subprocess.run(
-        [sys.executable, "-m", "atom_core.cli", "bench", "serve", "--base-url", server, "--num-prompts", "4",
-         "--input-len", "16", "--output-len", "8", "--max-concurrency", "1,4", "--json"],
+        [sys.executable, "-m", "atom_core.cli", "bench", where, *target, "--num-prompts", "4",
+         "--input-len", "16", "--output-len", "8", "--max-concurrency", "1,4", "--json",
+         "--goodput", "ttft:60000", "e2el:0.001"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -435,7 +438,18 @@ def test_atom_bench_serve_reports_json(server):
     for lv in levels:
         assert lv["requests"] == 4 and lv["output_throughput"] > 0
         assert lv["ttft"]["median_ms"] > 0 and lv["e2e"]["p99_ms"] >= lv["e2e"]["median_ms"]
+        assert lv["itl"]["median_ms"] > 0
         assert abs(lv["output_throughput"] * lv["duration_s"] - 4 * 8) < 1e-6  # every reply 8 tokens (ignore_eos)
+        assert lv["goodput"] == 0  # no request ends within 1 microsecond
+
+
+def test_bench_goodput_targets_are_checked():
+    from atom_core.serve.bench import parse_goodput
+
+    assert parse_goodput(["ttft:500", "tpot:50", "e2el:2000"]) == {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    for bad, says in [("itl:5", "one of ttft, tpot, e2el"), ("ttft:x", "milliseconds"), ("ttft:-1", "> 0 ms")]:
+        with pytest.raises(ValueError, match=says):
+            parse_goodput([bad])
 
 
 # -- sampling fields and grammars over HTTP ----------------------------------------------
@@ -670,13 +684,20 @@ def test_hostile_frames_on_both_sockets_are_dropped_and_requests_complete():
         await client.start()
         try:
             context = zmq.Context()
+            sent = 0
             for endpoint in (f"ipc://{client._dir}/in0", f"ipc://{client._dir}/out"):
-                fuzz = context.socket(zmq.PUSH)
-                fuzz.connect(endpoint)
-                for frame in frames:
-                    fuzz.send(frame)
-                fuzz.close(linger=2000)
+                for frame in frames:  # a socket per frame: an oversized one gets its sender cut off
+                    fuzz = context.socket(zmq.PUSH)
+                    fuzz.setsockopt(zmq.SNDTIMEO, 2000)
+                    fuzz.connect(endpoint)
+                    try:
+                        fuzz.send(frame)
+                        sent += 1
+                    except zmq.Again:  # no peer took it within 2 s
+                        pass
+                    fuzz.close(linger=1000)
             context.term()
+            assert sent >= 2 * (len(frames) - 1)  # an oversized frame may be cut off as it goes
             await asyncio.sleep(0.5)
             tokens: list[int] = []
             async for delta in client.generate("after-fuzz", [1, 2, 3], {"max_tokens": 5, "ignore_eos": True}):

@@ -41,6 +41,14 @@ from atom_core.serve.protocol import (
 logger = logging.getLogger("atom")
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 class EngineDead(RuntimeError):
     """The engine-core process is gone (or does not answer)."""
 
@@ -60,7 +68,11 @@ class EngineClient:
     def __init__(self, model: str | None, config: dict[str, Any], threads: int | None = None):
         self.model, self.config = model, config
         self.size = int(config.get("data_parallel_size", 1))
-        self.threads = threads or max(1, (os.cpu_count() or 1) // self.size)
+        if threads is not None and threads < 1:
+            raise ValueError(f"core threads must be >= 1, got {threads}")
+        # One core is left to this process (HTTP, tokenizing, detokenizing), as vLLM's CPU backend
+        # reserves one for its front end: sharing it with the core's threads stalls every step.
+        self.threads = threads or max(1, (available_cores() - 1) // self.size)
         self.ready: Ready | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._rank_of: dict[str, int] = {}

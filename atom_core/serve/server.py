@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +24,7 @@ def serve(
     served_model_name: str | None = None,
     api_key: str | None = None,
     health_timeout: float = 5.0,
+    core_threads: int | None = None,
 ) -> None:
     import uvicorn
     from fastapi import FastAPI, Request
@@ -39,7 +39,7 @@ def serve(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     name = served_model_name or (Path(model).stem if model else folder.name)
     config = {"enable_prefix_caching": True, **config}
-    client = EngineClient(str(folder), config, threads=os.cpu_count())
+    client = EngineClient(str(folder), config, threads=core_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
