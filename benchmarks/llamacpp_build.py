@@ -1,12 +1,15 @@
-"""llama.cpp's `llama-batched-bench`, built once from the sources the `llama-cpp-python` sdist vendors.
+"""llama.cpp's `llama-batched-bench` and `llama-server`, built once from the sources the
+`llama-cpp-python` sdist vendors.
 
 PyPI is the only network the benchmark machines have, so llama.cpp comes from the same pinned
 sdist `tests/gguf_convert.py` takes its converter from (`vendor/llama.cpp/`). Sources and build
 are kept under `<cache>/llama-cpp-build/<version>/` (`$ATOM_CACHE_DIR` or `~/.cache/atom`):
-Release, CPU only, `-march=native` (GGML_NATIVE), static, only the one target. The first build
-takes about 6 minutes on 2 cores; a `built` stamp written after success marks it reusable.
+Release, CPU only, `-march=native` (GGML_NATIVE), static, only the one target; the server in a
+build directory of its own (its options differ). The first build takes about 6 minutes on 2
+cores (the server longer); a `built` stamp written after success marks it reusable.
 
-    .venv/bin/python benchmarks/llamacpp_build.py    # build now if needed, print the binary's path
+    .venv/bin/python benchmarks/llamacpp_build.py            # build llama-batched-bench if needed, print its path
+    .venv/bin/python benchmarks/llamacpp_build.py --server   # the same for llama-server
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
 )
+SERVER_TARGET = "llama-server"
+SERVER_OPTIONS = (
+    *(o for o in CMAKE_OPTIONS if o != "-DLLAMA_BUILD_SERVER=OFF"),
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",  # no web UI (it would need npm)
+)
 
 
 def build_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -50,21 +59,30 @@ def llama_cpp_commit(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
 
 def batched_bench(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     """Path of the `llama-batched-bench` binary, fetching and building it on first use."""
+    return _build(TARGET, "build", CMAKE_OPTIONS, version)
+
+
+def llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Path of the `llama-server` binary, fetching and building it on first use."""
+    return _build(SERVER_TARGET, "build-server", SERVER_OPTIONS, version)
+
+
+def _build(target: str, build_name: str, options: tuple[str, ...], version: str) -> Path:
     root = build_root(version)
-    binary, stamp = root / "build" / "bin" / TARGET, root / "build" / "built"
+    build = root / build_name
+    binary, stamp = build / "bin" / target, build / "built"
     if binary.is_file() and stamp.is_file():
         return binary
     src = _sources(root, version)
-    build = root / "build"
     started = time.perf_counter()
     if not (build / "CMakeCache.txt").is_file():
         _log(f"configuring llama.cpp ({llama_cpp_commit(version)[:10]}) in {build}")
-        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_OPTIONS], stream=False)
-    _log(f"building {TARGET} with {os.cpu_count()} jobs (about 6 minutes on 2 cores, once)")
-    _run(["cmake", "--build", str(build), "--target", TARGET, "-j", str(os.cpu_count() or 1)], stream=True)
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *options], stream=False)
+    _log(f"building {target} with {os.cpu_count()} jobs (several minutes on 2 cores, once)")
+    _run(["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 1)], stream=True)
     if not binary.is_file():
         raise RuntimeError(f"the build finished but {binary} does not exist")
-    stamp.write_text(f"{' '.join(CMAKE_OPTIONS)}\n")
+    stamp.write_text(f"{' '.join(options)}\n")
     _log(f"built {binary} in {time.perf_counter() - started:.0f} s")
     return binary
 
@@ -114,4 +132,4 @@ def _log(message: str) -> None:
 
 
 if __name__ == "__main__":
-    print(batched_bench())
+    print(llama_server() if "--server" in sys.argv[1:] else batched_bench())

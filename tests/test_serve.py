@@ -531,35 +531,47 @@ def test_tokenizer_info_serves_what_a_remote_tokenizer_needs(server, offline):
     info = httpx.get(f"{server}/tokenizer_info", timeout=10).json()
     tok = offline.tokenizer
     assert (info["eos_token"], info["bos_token"], info["chat_template"]) == (
-        tok.eos_token, tok.bos_token, tok.chat_template
+        tok.eos_token,
+        tok.bos_token,
+        tok.chat_template,
     )
 
 
 def lm_eval_tasks(folder) -> None:
     """A multiple-choice and a generate-until task over local JSONL files."""
     (folder / "mc.jsonl").write_text(
-        "\n".join(json.dumps(d) for d in [
-            {"question": "What is the capital of France?", "choices": ["Paris", "London", "Berlin"], "answer": 0},
-            {"question": "What colour is the sky on a clear day?", "choices": ["blue", "green", "red"], "answer": 0},
-            {"question": "How many legs does a cat have?", "choices": ["four", "two", "six"], "answer": 0},
-        ])  # fmt: skip
+        "\n".join(
+            json.dumps(d)
+            for d in [
+                {"question": "What is the capital of France?", "choices": ["Paris", "London", "Berlin"], "answer": 0},
+                {
+                    "question": "What colour is the sky on a clear day?",
+                    "choices": ["blue", "green", "red"],
+                    "answer": 0,
+                },
+                {"question": "How many legs does a cat have?", "choices": ["four", "two", "six"], "answer": 0},
+            ]
+        )  # fmt: skip
     )
     (folder / "gen.jsonl").write_text(
-        "\n".join(json.dumps(d) for d in [
-            {"question": "The capital of France is", "answer": " Paris."},
-            {"question": "Once upon a time", "answer": " there"},
-        ])  # fmt: skip
+        "\n".join(
+            json.dumps(d)
+            for d in [
+                {"question": "The capital of France is", "answer": " Paris."},
+                {"question": "Once upon a time", "answer": " there"},
+            ]
+        )  # fmt: skip
     )
     common = "dataset_path: json\ntest_split: test\n"
     (folder / "atom_mc.yaml").write_text(
         f"task: atom_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n"
+        'output_type: multiple_choice\ndoc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n'
     )
     (folder / "atom_gen.yaml").write_text(
         f"task: atom_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.jsonl'}\n"
-        "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 12\n  do_sample: false\n"
+        'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
     )
 
@@ -631,7 +643,14 @@ def test_64_streams_with_16_cut_leave_the_pool_whole(server, model_name, offline
 
     want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     want_text = want[0]["text"]
-    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
 
     async def one(http: httpx.AsyncClient, i: int) -> str | None:
         pieces = []
@@ -654,7 +673,10 @@ def test_64_streams_with_16_cut_leave_the_pool_whole(server, model_name, offline
     deadline = time.time() + 5
     while True:
         values = metric_values(server)
-        idle = [values[f'atom:{n}{{engine="0"}}'] for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        idle = [
+            values[f'atom:{n}{{engine="0"}}']
+            for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        ]
         if idle == [0.0, 0.0, 0.0] or time.time() > deadline:
             break
         time.sleep(0.2)

@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from conftest import make_seq
 
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
@@ -17,7 +18,6 @@ from atom_core.plugin_api import Grammar, StructuredOutputBackend, hookimpl
 from atom_core.runner.sampler import SamplingMetadata, process_logits
 from atom_core.sched.speculative import wanted_drafts
 from atom_core.structured_output.backend import allocate_bitmask, apply_bitmask
-from conftest import make_seq
 
 # Bounded: every string, array and number has a limit, so a valid answer fits in max_tokens.
 CAT_SCHEMA = {
@@ -121,9 +121,7 @@ def test_min_tokens_delays_eos_and_stop_strings(engine):
     free = engine.generate([ask], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
     assert free["finish_reason"] == "eos"
     n = len(free["token_ids"])
-    longer = engine.generate(
-        [ask], SamplingParams(temperature=0, max_tokens=200, min_tokens=n + 5), use_tqdm=False
-    )[0]
+    longer = engine.generate([ask], SamplingParams(temperature=0, max_tokens=200, min_tokens=n + 5), use_tqdm=False)[0]
     assert len(longer["token_ids"]) >= n + 5
     assert longer["token_ids"][: n - 1] == free["token_ids"][: n - 1]  # the same text up to where EOS was
     # a stop string inside the first min_tokens tokens does not end it

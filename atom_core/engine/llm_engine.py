@@ -37,7 +37,12 @@ class LLMEngine:
         self.tokenizer = core.tokenizer
         # the core's parts, for callers that inspect or drive them (tests, benchmarks)
         self.runner, self.scheduler, self.output_processor = core.runner, core.scheduler, core.output_processor
-        self.config, self.kv_plan, self.hf_config, self.vocab_size = core.config, core.kv_plan, core.hf_config, core.vocab_size
+        self.config, self.kv_plan, self.hf_config, self.vocab_size = (
+            core.config,
+            core.kv_plan,
+            core.hf_config,
+            core.vocab_size,
+        )
         self.timings = core.timings
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
 

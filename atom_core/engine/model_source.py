@@ -114,9 +114,7 @@ def model_defaults(config: Config, hf_config: Any, folder: Path) -> dict[str, An
     if config.max_model_len is None:
         out["max_model_len"] = max_pos or 4096
     elif max_pos is not None and config.max_model_len > max_pos:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}"
-        )
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     eos = gen.get("eos_token_id", getattr(hf_config, "eos_token_id", None))

@@ -261,7 +261,9 @@ class ModelRunner:
         tokens: list[list[int]] = [[] for _ in drafts]
         if plain:
             rows = logits if not drafting else logits[torch.as_tensor(starts[plain], device=logits.device)]
-            sampled = self.sampler(rows, SamplingMetadata.from_seqs((seqs[sample_ids[i]] for i in plain), rows.shape[-1]))
+            sampled = self.sampler(
+                rows, SamplingMetadata.from_seqs((seqs[sample_ids[i]] for i in plain), rows.shape[-1])
+            )
             sampled = sampled.tolist()
             if len(sampled) != len(plain):
                 raise RuntimeError(

@@ -270,7 +270,7 @@ class Scheduler(AtomSchedulerCounters):
             if seq.num_computed_tokens < seq._num_tokens:
                 continue  # a middle chunk samples nothing, whatever the runner sent
             # Token by token: nothing after a stop reaches the sequence, the output or the counts.
-            reason = None
+            reason: tuple[Any, ...] | None = None
             committed = 0
             token_logprobs = logprobs.get(seq.id) if logprobs else None
             for token_id in token_ids:

@@ -77,7 +77,9 @@ def level_summary(
     return level
 
 
-def request_timings(start: float, token_times: list[float], end: float, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+def request_timings(
+    start: float, token_times: list[float], end: float, prompt_tokens: int, output_tokens: int
+) -> dict[str, Any]:
     """One request's latencies from when it was sent, when each piece of output came, and its end."""
     first = token_times[0] if token_times else end
     ttft = first - start
@@ -116,7 +118,8 @@ async def one_request(
             if any(c.get("text") for c in event.get("choices", [])):
                 times.append(time.perf_counter())
     end = time.perf_counter()
-    return request_timings(start, times, end, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+    # a server that sends no usage (some do not with stream_options): one token per piece of text
+    return request_timings(start, times, end, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)))
 
 
 async def run_level(
@@ -193,7 +196,9 @@ def bench_offline(
         def add() -> None:
             prompt = queue.pop(0)
             holder: list[float] = []
-            rid = engine.add_request(prompt, params, stream_callback=lambda out, h=holder: h.append(time.perf_counter()))
+            rid = engine.add_request(
+                prompt, params, stream_callback=lambda out, h=holder: h.append(time.perf_counter())
+            )
             sent[rid], times[rid] = time.perf_counter(), holder
 
         start = time.perf_counter()
@@ -203,7 +208,9 @@ def bench_offline(
             for r in engine.step():
                 rid, end = r["request_id"], time.perf_counter()
                 token_times = times.pop(rid)
-                results.append(request_timings(sent.pop(rid), token_times, end, r["num_prompt_tokens"], len(r["token_ids"])))
+                results.append(
+                    request_timings(sent.pop(rid), token_times, end, r["num_prompt_tokens"], len(r["token_ids"]))
+                )
                 if queue:
                     add()
         levels.append(level_summary(results, time.perf_counter() - start, concurrency, goodput))

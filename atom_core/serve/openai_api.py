@@ -170,7 +170,9 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
         elif kind == "json_schema":
             schema = (response_format.get("json_schema") or {}).get("schema")
             if not isinstance(schema, dict):
-                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", "response_format")
+                raise ApiError(
+                    400, "response_format.json_schema.schema must be a JSON schema object", "response_format"
+                )
             guided["json"] = schema
         elif kind != "text":
             raise ApiError(

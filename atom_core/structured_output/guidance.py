@@ -15,7 +15,7 @@ import torch
 from atom_core.sampling_params import StructuredOutputParams
 from atom_core.structured_output.backend import Grammar, StructuredOutputBackend
 
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+COMPACT_JSON: Any = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class GuidanceGrammar(Grammar):
@@ -53,18 +53,20 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher_cls = llguidance.LLMatcher
         kind = params.kind
         if kind == "json" or kind == "json_object":
-            schema = {"type": "object"} if kind == "json_object" else params.json
+            schema: Any = {"type": "object"} if kind == "json_object" else params.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"structured_output.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_output.json must be a JSON schema object, got {schema!r}")
             try:
                 grammar = matcher_cls.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
             except ValueError as e:
                 raise ValueError(f"structured_output.json is not a JSON schema llguidance reads: {e}") from None
         elif kind == "regex":
-            grammar = matcher_cls.grammar_from_regex(params.regex)
+            grammar = matcher_cls.grammar_from_regex(params.regex or "")
         elif kind == "choice":
             grammar = matcher_cls.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
         else:
