@@ -730,3 +730,45 @@ def test_hostile_frames_on_both_sockets_are_dropped_and_requests_complete():
             await client.close()
 
     assert len(asyncio.run(run())) == 5
+
+
+def test_a_seeded_request_reads_the_same_alone_and_among_eight_others(client, model_name):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed: int, prompt: str = PROMPT) -> str:
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=16, temperature=1.0, seed=seed)
+        return r.choices[0].text
+
+    alone = ask(123)
+    others = ["Once upon a time", "The sea is", "My favourite colour is", "Water boils at"] * 2
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(ask, 1000 + i, p) for i, p in enumerate(others)] + [pool.submit(ask, 123)]
+        batched = futures[-1].result()
+        [f.result() for f in futures]
+    assert batched == alone
+
+
+def test_penalties_make_fewer_repeats(client, model_name):
+    def repeats(**extra) -> int:
+        r = client.completions.create(
+            model=model_name, prompt="List: apple, apple, apple,", max_tokens=40, temperature=0, logprobs=0, **extra
+        )
+        tokens = r.choices[0].logprobs.tokens
+        return len(tokens) - len(set(tokens))
+
+    plain = repeats()
+    assert plain > 30  # greedy repeats ", apple" to the end
+    assert repeats(frequency_penalty=1.5) < plain / 2
+    assert repeats(presence_penalty=2.0) < plain / 2
+    assert repeats(extra_body={"repetition_penalty": 1.8}) < plain / 2
+
+
+def test_a_chat_reply_runs_to_the_context_end_with_length(client, model_name, offline):
+    messages = [{"role": "user", "content": "hello " * 990}]
+    prompt_tokens = len(offline.apply_chat_template(messages))
+    assert 1024 - 40 < prompt_tokens < 1024
+    r = client.chat.completions.create(
+        model=model_name, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 1024
