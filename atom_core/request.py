@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
@@ -16,3 +18,20 @@ class RequestOutput:
     # prompt's (None for its first token) with the request's first tokens.
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @classmethod
+    def of(cls, seq: Any, new_tokens: list[int]) -> RequestOutput:
+        """The stream item for `seq`'s latest `new_tokens` (the last of its completion so far),
+        with their log probabilities and, with its first tokens, the prompt's."""
+        params = seq.sampling_params
+        start = seq.num_completion_tokens - len(new_tokens)
+        return cls(
+            request_id=seq.id,
+            output_tokens=new_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.leave_reason or None,
+            logprobs=None if params.logprobs is None else seq.logprobs[start : start + len(new_tokens)],
+            prompt_logprobs=(
+                seq.prompt_logprobs if params.prompt_logprobs is not None and new_tokens and start == 0 else None
+            ),
+        )

@@ -87,3 +87,17 @@ def plugin_manager():
     for plugin in list(pm.get_plugins()):
         if id(plugin) not in before:
             pm.unregister(plugin)
+
+
+# Bounded: every string, array and number has a limit, so a valid answer fits in max_tokens.
+CAT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "colour": {"enum": ["black", "white", "ginger", "grey"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "toys": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "colour", "age", "toys"],
+    "additionalProperties": False,
+}

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import CAT_SCHEMA
 
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
@@ -454,17 +455,6 @@ def test_bench_goodput_targets_are_checked():
 
 # -- sampling fields and grammars over HTTP ----------------------------------------------
 
-CAT_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "colour": {"enum": ["black", "white", "ginger", "grey"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-        "toys": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "colour", "age", "toys"],
-    "additionalProperties": False,
-}
 CAT = [{"role": "user", "content": "Describe a cat as JSON with its name, colour, age and toys."}]
 
 
@@ -772,3 +762,11 @@ def test_a_chat_reply_runs_to_the_context_end_with_length(client, model_name, of
     )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 1024
+
+
+def test_a_local_chat_reply_streams_the_engines_text(offline):
+    from atom_core.serve.chat import local_reply
+
+    pieces = list(local_reply(offline, 24, 0.0)(QUESTION))
+    want = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
+    assert len(pieces) > 1 and "".join(pieces) == want

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import make_seq
+from conftest import CAT_SCHEMA, make_seq
 
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
@@ -19,18 +19,6 @@ from atom_core.runner.sampler import SamplingMetadata, process_logits
 from atom_core.sched.speculative import wanted_drafts
 from atom_core.structured_output.backend import allocate_bitmask, apply_bitmask
 
-# Bounded: every string, array and number has a limit, so a valid answer fits in max_tokens.
-CAT_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "colour": {"enum": ["black", "white", "ginger", "grey"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-        "toys": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "colour", "age", "toys"],
-    "additionalProperties": False,
-}
 ASK = [{"role": "user", "content": "Describe a cat as JSON with its name, colour, age and toys."}]
 
 

@@ -97,19 +97,7 @@ class OutputProcessor:
         new = seq.completion_token_ids[state.num_emitted :]
         if not new and not seq.is_finished:
             return
-        params = seq.sampling_params
-        out = RequestOutput(
-            request_id=seq.id,
-            output_tokens=new,
-            finished=seq.is_finished,
-            finish_reason=seq.leave_reason or None,
-            logprobs=None
-            if params.logprobs is None
-            else seq.logprobs[state.num_emitted : state.num_emitted + len(new)],
-            prompt_logprobs=(
-                seq.prompt_logprobs if params.prompt_logprobs is not None and new and state.num_emitted == 0 else None
-            ),
-        )
+        out = RequestOutput.of(seq, new)
         state.num_emitted += len(new)
         state.final_sent = seq.is_finished
         try:

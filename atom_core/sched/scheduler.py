@@ -364,19 +364,7 @@ class Scheduler(AtomSchedulerCounters):
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         """Hand new tokens to the request's callback; return the stream item."""
-        params, new = seq.sampling_params, seq.output_tokens
-        out = RequestOutput(
-            request_id=seq.id,
-            output_tokens=new,
-            finished=seq.is_finished,
-            finish_reason=seq.leave_reason or None,
-            logprobs=None if params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new) :],
-            prompt_logprobs=(
-                seq.prompt_logprobs
-                if params.prompt_logprobs is not None and new and seq.num_completion_tokens == len(new)
-                else None
-            ),
-        )
+        out = RequestOutput.of(seq, seq.output_tokens)
         seq.output_tokens = []
         if seq.stream_callback is not None:
             try:

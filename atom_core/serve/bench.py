@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any
 
+from atom_core.serve.sse import sse_event
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
@@ -108,11 +110,9 @@ async def one_request(
             await r.aread()
             raise RuntimeError(f"the server answered {r.status_code}: {r.text}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            event = sse_event(line)
+            if event is None:
                 continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
             if event.get("usage"):
                 usage = event["usage"]
             if any(c.get("text") for c in event.get("choices", [])):

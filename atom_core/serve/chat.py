@@ -6,10 +6,12 @@ the reply being written, not the chat; an empty line or end of input ends it.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
+
+from atom_core.serve.sse import StreamError, sse_event
+from atom_core.serve.text_stream import TextStream
 
 
 def remote_reply(url: str, api_key: str | None, max_tokens: int | None, temperature: float) -> Callable:
@@ -28,12 +30,11 @@ def remote_reply(url: str, api_key: str | None, max_tokens: int | None, temperat
                 r.read()
                 raise ValueError(f"the server answered {r.status_code}: {r.text}")
             for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    raise ValueError(event["error"]["message"])
-                for choice in event.get("choices", []):
+                try:
+                    event = sse_event(line)
+                except StreamError as e:
+                    raise ValueError(str(e)) from None
+                for choice in (event or {}).get("choices", []):
                     piece = choice.get("delta", {}).get("content")
                     if piece:
                         yield piece
@@ -48,23 +49,17 @@ def local_reply(engine: Any, max_tokens: int | None, temperature: float) -> Call
         ids = engine.apply_chat_template(messages)
         limit = max_tokens or max(1, engine.config.max_model_len - len(ids))
         params = SamplingParams(temperature=temperature, max_tokens=limit)
-        tokens: list[int] = []
-        news: list[list[int]] = []
-        rid = engine.add_request(ids, params, stream_callback=lambda out: news.append(out.output_tokens))
-        sent = 0
+        stream = TextStream(engine.tokenizer, [])
+        news: list[Any] = []
+        rid = engine.add_request(ids, params, stream_callback=news.append)
         try:
             while engine.has_unfinished_requests():
                 engine.step()
-                for new in news:
-                    tokens += new
+                for out in news:
+                    piece = stream.add(out.output_tokens, out.finished, out.finish_reason)
+                    if piece:
+                        yield piece
                 news.clear()
-                text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-                end = len(text)
-                while end > sent and text[end - 1] == "\ufffd":  # an unfinished character
-                    end -= 1
-                if end > sent:
-                    yield text[sent:end]
-                    sent = end
         finally:
             engine.abort(rid)
 

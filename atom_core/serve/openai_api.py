@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atom_core.engine.output_processor import text_before_stop
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
+from atom_core.serve.text_stream import TextStream
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -78,31 +78,6 @@ def openai_finish_reason(reason: str | None) -> str | None:
     if reason is None:
         return None
     return "length" if reason in LENGTH_REASONS else "stop"
-
-
-class TextStream:
-    """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
-    character or the start of a stop string that may yet complete."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.token_ids: list[int] = []
-        self.sent = 0  # characters handed out
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""  # the whole text once finished (up to its stop string)
-
-    def add(self, delta: Delta) -> str:
-        self.token_ids += delta.token_ids
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if delta.finished:
-            text = self.text = text_before_stop(text, delta.finish_reason, delta.stop_reason)
-            end = len(text)
-        else:
-            end = len(text) - self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
-                end -= 1
-        new, self.sent = text[self.sent : end], max(self.sent, end)
-        return new
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -411,7 +386,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
 
             async def collect() -> None:
                 async for i, delta in deltas():
-                    texts[i].add(delta)
+                    texts[i].add(delta.token_ids, delta.finished, delta.finish_reason, delta.stop_reason)
                     logprobs[i] += delta.logprobs or []
                     prompt_logprobs[i] += delta.prompt_logprobs or []
                     if delta.finished:
@@ -488,7 +463,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 async for i, delta in deltas():
                     if delta.finished and delta.finish_reason == "error":
                         raise ApiError(500, "the engine's forward pass failed for this request")
-                    new = texts[i].add(delta)
+                    new = texts[i].add(delta.token_ids, delta.finished, delta.finish_reason, delta.stop_reason)
                     if new or (delta.token_ids and (chat_logprobs or wants_logprobs)):
                         lp = delta.logprobs or []
                         if kind == "chat":

@@ -1,0 +1,36 @@
+"""Incremental detokenizing of one reply, for the server's streams and `atom chat`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom_core.engine.output_processor import text_before_stop
+
+
+class TextStream:
+    """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
+    character or the start of a stop string that may yet complete."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.token_ids: list[int] = []
+        self.sent = 0  # characters handed out
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # the whole text once finished (up to its stop string)
+
+    def add(
+        self, token_ids: list[int], finished: bool = False, finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> str:  # fmt: skip
+        """The text the new tokens complete (empty while a character or a stop string may go on)."""
+        self.token_ids += token_ids
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if finished:
+            text = self.text = text_before_stop(text, finish_reason, stop_reason)
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
+                end -= 1
+        new, self.sent = text[self.sent : end], max(self.sent, end)
+        return new
