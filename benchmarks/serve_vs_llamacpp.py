@@ -10,7 +10,7 @@ ranks (`--dp2`).
 
 llama-server is built from the llama-cpp-python sdist's sources (benchmarks/llamacpp_build.py)
 and started as `-t T -tb T -np 32 --kv-unified -c <32 slots>`. Atom is started with its
-defaults (its engine core takes the cores but one, which it leaves to the API process); both
+defaults (its engine core takes every core, as llama-server does); both
 see the same `--threads` cores (`taskset` when given fewer than the machine has).
 
     .venv/bin/python benchmarks/serve_vs_llamacpp.py [--concurrency 1,8,32] [--num-prompts 32]
@@ -107,7 +107,8 @@ def offline(args: argparse.Namespace, gguf: Path) -> list[dict[str, Any]]:
     """`atom bench offline` in a process of its own (its threads and memory, as the server's)."""
     out = subprocess.run(
         [*cores(args.threads), sys.executable, "-m", "atom_core.cli", "bench", "offline", str(gguf),
-         "--max-model-len", str(args.input_len + args.output_len + 64), "--num-prompts", str(args.num_prompts),
+         "--max-model-len", str(args.input_len + args.output_len + 64), "--enable-prefix-caching",
+         "--num-prompts", str(args.num_prompts),
          "--input-len", str(args.input_len), "--output-len", str(args.output_len),
          "--max-concurrency", ",".join(map(str, args.concurrency)), "--json"],
         capture_output=True, text=True, check=True,

@@ -102,21 +102,31 @@ async def one_request(
         "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
+    import httpx
+
     start = time.perf_counter()
     times: list[float] = []
     usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"the server answered {r.status_code}: {r.text}")
-        async for line in r.aiter_lines():
-            event = sse_event(line)
-            if event is None:
-                continue
-            if event.get("usage"):
-                usage = event["usage"]
-            if any(c.get("text") for c in event.get("choices", [])):
-                times.append(time.perf_counter())
+    for attempt in range(2):
+        try:
+            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise RuntimeError(f"the server answered {r.status_code}: {r.text}")
+                async for line in r.aiter_lines():
+                    event = sse_event(line)
+                    if event is None:
+                        continue
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    if any(c.get("text") for c in event.get("choices", [])):
+                        times.append(time.perf_counter())
+            break
+        except httpx.RemoteProtocolError:
+            # a kept-alive connection the server had closed (llama-server closes them after a
+            # stream): sent again once, on a new one, if nothing had come back
+            if attempt or times:
+                raise
     end = time.perf_counter()
     # a server that sends no usage (some do not with stream_options): one token per piece of text
     return request_timings(start, times, end, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(times)))
@@ -149,7 +159,8 @@ async def run_level(
 
 def make_prompts(num: int, input_len: int, dataset: str | None, seed: int) -> list[Any]:
     """`num` prompts: lines of a JSONL file's "prompt", or random token ids (ids 100-4999, which
-    every real vocabulary has)."""
+    every real vocabulary has). Each concurrency level draws its own (seed + level), so no level
+    finds the one before it in a prefix cache."""
     if dataset:
         with open(dataset) as f:
             rows = [json.loads(line)["prompt"] for line in f if line.strip()]
@@ -168,11 +179,15 @@ def bench_serve(
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    prompts = make_prompts(num_prompts, input_len, dataset, seed)
     return [
-        asyncio.run(run_level(url, model, prompts, output_len, c, request_rate, seed, headers, goodput))
-        for c in concurrencies
-    ]
+        asyncio.run(
+            run_level(
+                url, model, make_prompts(num_prompts, input_len, dataset, seed + i), output_len, c, request_rate,
+                seed, headers, goodput,
+            )
+        )
+        for i, c in enumerate(concurrencies)
+    ]  # fmt: skip
 
 
 def bench_offline(
@@ -183,11 +198,12 @@ def bench_offline(
     requests in flight, a new one added as soon as one ends (after a warm-up request)."""
     from atom_core.sampling_params import SamplingParams
 
-    prompts = make_prompts(num_prompts, input_len, dataset, seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    warm_up = make_prompts(1, input_len, dataset, seed - 1)
+    engine.generate(warm_up, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     levels = []
-    for concurrency in concurrencies:
+    for i, concurrency in enumerate(concurrencies):
+        prompts = make_prompts(num_prompts, input_len, dataset, seed + i)
         sent: dict[int, float] = {}
         times: dict[int, list[float]] = {}
         results: list[dict[str, Any]] = []

@@ -70,9 +70,9 @@ class EngineClient:
         self.size = int(config.get("data_parallel_size", 1))
         if threads is not None and threads < 1:
             raise ValueError(f"core threads must be >= 1, got {threads}")
-        # One core is left to this process (HTTP, tokenizing, detokenizing), as vLLM's CPU backend
-        # reserves one for its front end: sharing it with the core's threads stalls every step.
-        self.threads = threads or max(1, (available_cores() - 1) // self.size)
+        # Every core goes to the engine cores: the API process is idle most of the time (measured in
+        # docs/benchmarks.md against leaving it one core, as vLLM's CPU backend does).
+        self.threads = threads or max(1, available_cores() // self.size)
         self.ready: Ready | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._rank_of: dict[str, int] = {}
