@@ -770,3 +770,27 @@ def test_a_local_chat_reply_streams_the_engines_text(offline):
     pieces = list(local_reply(offline, 24, 0.0)(QUESTION))
     want = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["text"]
     assert len(pieces) > 1 and "".join(pieces) == want
+
+
+def test_chat_content_parts_read_as_their_text(client, model_name, server):
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}],
+        }
+    ]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+
+    def reply(messages):
+        return (
+            client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=8)
+            .choices[0]
+            .message.content
+        )
+
+    assert reply(parts) == reply(joined)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": image}, timeout=30)
+    assert (
+        r.status_code == 400 and "only text parts are supported, got a 'image_url' part" in r.json()["error"]["message"]
+    )

@@ -90,6 +90,27 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return value
 
 
+def text_content(content: Any, index: int) -> str | None:
+    """A message's content as the chat template reads it: OpenAI's list of content parts
+    (`[{"type": "text", "text": ...}, ...]`) joined into one string, as vLLM does; a part of
+    another type (an image) is a 400."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(
+            400, f"messages[{index}].content must be a string or a list of parts, got {content!r}", "messages"
+        )
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(
+                400, f"messages[{index}].content: only text parts are supported, got a {kind!r} part", "messages"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
     """SamplingParams fields from an OpenAI request body (vLLM's extras included); its own
     validators name field, value and limit (checked again in the core)."""
@@ -282,6 +303,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a 'role' string, got {m!r}", "messages")
+        messages = [{**m, "content": text_content(m.get("content"), i)} for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
