@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.distributed.communication import all_reduce
+from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.gemm import Gemm, StreamingGemm, gemv_rows, pick_gemm
@@ -160,3 +162,109 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s for _, s in self.shard_offsets.values()], dim=-1))
+
+
+# -- tensor parallel (one rank: each is its plain counterpart) --------------------------------
+
+
+class ColumnParallelLinear(Linear):
+    """`out_features` split across the tensor-parallel ranks: each computes its rows' outputs
+    (no collective). Its weight loader takes the whole checkpoint tensor and keeps this rank's rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        super().__init__(in_features, divide(out_features, tp.world_size, "output features"), bias=bias)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
+        rows = param.shape[0]
+        _copy_slice(param, loaded, 0, self.tp_rank * rows, rows)
+
+
+class RowParallelLinear(Linear):
+    """`in_features` split across the ranks: each multiplies its slice of the input (the output
+    of a column-parallel layer) and the partial results are summed with one all-reduce
+    (`reduce_results=False` leaves that to the caller, so a MoE block and its shared expert
+    share one). The bias is added once: on rank 0, zeros elsewhere."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size, self.reduce_results = tp.rank, tp.world_size, reduce_results
+        super().__init__(divide(in_features, tp.world_size, "input features"), out_features, bias=bias)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
+        if param.dim() == 1:  # the bias: once over the ranks
+            with torch.no_grad():
+                param.data.copy_(loaded) if self.tp_rank == 0 else param.data.zero_()
+            return
+        cols = param.shape[1]
+        _copy_slice(param, loaded, 1, self.tp_rank * cols, cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return all_reduce(out) if self.reduce_results and self.tp_size > 1 else out
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Named shards stacked in one GEMM (gate and up), each split across the ranks: this rank
+    holds its part of every shard, in the same order."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        super().__init__(in_features, {k: divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}, bias)
+
+    def shard_start(self, shard: str) -> int:
+        """Where this rank's part of `shard` starts in the checkpoint tensor."""
+        return self.tp_rank * self.shard_offsets[shard][1]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        size = self.shard_offsets[shard][1]
+        start = self.shard_start(shard)
+        if loaded.shape[0] < start + size:
+            raise ValueError(
+                f"shard {shard!r} expects {size * self.tp_size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
+            )
+        super().weight_loader(param, loaded.narrow(0, start, size), shard)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections split by heads. With more ranks than KV heads each KV head is
+    replicated on `tp_size // num_kv_heads` ranks (vLLM's `QKVParallelLinear`)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = get_tp_group()
+        self.num_heads = divide(num_heads, tp.world_size, "attention heads")
+        if tp.world_size >= num_kv_heads:
+            if tp.world_size % num_kv_heads:
+                raise ValueError(
+                    f"KV heads: {num_kv_heads} cannot be replicated evenly over {tp.world_size} tensor-parallel ranks"
+                )
+            self.num_kv_heads, self.kv_replicas = 1, tp.world_size // num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp.world_size, "KV heads"), 1
+        self.head_dim = head_dim
+        sizes = {"q": self.num_heads * head_dim, "k": self.num_kv_heads * head_dim, "v": self.num_kv_heads * head_dim}
+        # the whole sizes, which MergedColumnParallelLinear divides again by the ranks
+        super().__init__(hidden_size, {k: v * tp.world_size for k, v in sizes.items()}, bias)
+
+    def shard_start(self, shard: str) -> int:
+        if shard == "q":
+            return self.tp_rank * self.num_heads * self.head_dim
+        return (self.tp_rank // self.kv_replicas) * self.num_kv_heads * self.head_dim
+
+
+def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:
+    if loaded.shape[dim] < start + size:
+        raise ValueError(
+            f"a tensor-parallel slice [{start}, {start + size}) of dimension {dim} does not fit the checkpoint "
+            f"tensor's shape {tuple(loaded.shape)}"
+        )
+    with torch.no_grad():
+        param.data.copy_(loaded.narrow(dim, start, size))

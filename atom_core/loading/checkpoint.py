@@ -7,7 +7,8 @@ parameter) defines `map_checkpoint_name(name) -> (parameter name, shard) | None`
 consulted first; it returns `SKIP` for tensors the model does not use (a checkpoint's
 MTP layer, which a draft model loads), so they are never read. A fused parameter expects
 the shards in its `expected_shards` if it has them, else every shard of its owner's
-`shard_offsets`.
+`shard_offsets`. A parameter split across tensor-parallel ranks gets the whole checkpoint
+tensor through its `weight_loader`, which keeps its rank's slice.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                         f"checkpoint tensor {name!r} ({path.name}) matches no parameter of {type(model).__name__}"
                     )
                 tensor = f.get_tensor(name)
-                if shard is None:
+                if shard is None and not hasattr(param, "weight_loader"):
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
                             f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -87,9 +88,11 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
         shards = loaded.get(id(param), set())
         owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
-        expected = {None} if owner is None else set(getattr(param, "expected_shards", None) or owner.shard_offsets)
+        # a fused parameter expects its shards; a split one (tensor parallel) its one tensor
+        fused = getattr(param, "expected_shards", None) or getattr(owner, "shard_offsets", None)
+        expected = set(fused) if fused else {None}
         if not expected <= shards:
-            missing.append(name if owner is None else _missing_shards(name, expected - shards, mapping))
+            missing.append(_missing_shards(name, expected - shards, mapping) if fused else name)
     if missing:
         raise ValueError(f"the checkpoint in {folder} lacks tensors for: {', '.join(missing)}")
 
