@@ -794,3 +794,17 @@ def test_chat_content_parts_read_as_their_text(client, model_name, server):
     assert (
         r.status_code == 400 and "only text parts are supported, got a 'image_url' part" in r.json()["error"]["message"]
     )
+
+
+def test_prompt_logprobs_come_whole_and_streamed(server, offline):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    ids = offline.tokenizer.encode(PROMPT)
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    ref = ref[0]["prompt_logprobs"]
+    assert whole[0] is None and len(whole) == len(ids)
+    for entry, want, token in zip(whole[1:], ref[1:], ids[1:]):
+        assert abs(entry[str(token)]["logprob"] - want[token]) < 1e-4
+    events = sse_events(httpx.post(f"{server}/v1/completions", json={**body, "stream": True}, timeout=60))
+    streamed = [c["prompt_logprobs"] for e in events[:-1] for c in e["choices"] if "prompt_logprobs" in c]
+    assert streamed == [whole]

@@ -389,6 +389,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         top_n = params.get("logprobs") or 0
         echo = kind == "completion" and bool(body.get("echo"))
         score_only = bool(body.get("_score_only"))
+        wants_prompt_lp = body.get("prompt_logprobs") is not None
         object_name = "chat.completion" if kind == "chat" else "text_completion"
 
         def usage(finals: list[Delta | None], num_completion: int) -> dict[str, Any]:
@@ -438,7 +439,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 if final.finish_reason == "error":
                     raise ApiError(500, "the engine's forward pass failed for this request")
                 choice: dict[str, Any] = {"index": i, "finish_reason": reason, "stop_reason": final.stop_reason}
-                if body.get("prompt_logprobs") is not None:  # vLLM's extra: per prompt token, id -> entry
+                if wants_prompt_lp:  # vLLM's extra: per prompt token, id -> entry
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs[i])
                 tokens = text.token_ids
                 if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
@@ -486,7 +487,13 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     if delta.finished and delta.finish_reason == "error":
                         raise ApiError(500, "the engine's forward pass failed for this request")
                     new = texts[i].add(delta.token_ids, delta.finished, delta.finish_reason, delta.stop_reason)
-                    if new or (delta.token_ids and (chat_logprobs or wants_logprobs)):
+                    # vLLM's extra, streamed with a choice's first tokens
+                    prompt_lp = (
+                        vllm_prompt_logprobs(delta.prompt_logprobs)
+                        if wants_prompt_lp and delta.prompt_logprobs
+                        else None
+                    )
+                    if new or prompt_lp or (delta.token_ids and (chat_logprobs or wants_logprobs)):
                         lp = delta.logprobs or []
                         if kind == "chat":
                             piece: dict[str, Any] = {"delta": {"content": new}}
@@ -496,6 +503,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                             piece = {"text": new}
                             if wants_logprobs:
                                 piece["logprobs"] = completion_logprobs(delta.token_ids, lp, offsets[i], top_n)
+                        if prompt_lp:
+                            piece["prompt_logprobs"] = prompt_lp
                         offsets[i] += len(new)
                         yield chunk([{"index": i, **piece, "finish_reason": None}])
                     if delta.finished:
