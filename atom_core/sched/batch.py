@@ -6,9 +6,25 @@ runner, the attention builders and the proposers read a batch without importing 
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 from atom_core.sequence import Sequence
+
+# A batch as int64 data (`ScheduledBatch.to_ints` / `from_ints`): what rank 0 broadcasts to
+# the other tensor-parallel ranks each step, as a fixed-size header of section lengths and one
+# payload, never pickled. The fields the model and the attention builders read, in this order.
+BATCH_FORMAT_VERSION = 1
+BATCH_SECTIONS = (
+    "scalars", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "num_cached_tokens", "context_lens",
+    "do_sample", "block_table_lens", "block_tables", "scheduled_tokens", "per_req_cache_groups", "spec_counts",
+    "spec_tokens", "left_pad_blocks", "tkvs", "state_loads", "state_saves",
+)  # fmt: skip
+BATCH_HEADER_LEN = 1 + len(BATCH_SECTIONS)  # the version, then each section's length
+_SCALARS = (
+    "total_tokens_num", "total_tokens_num_prefill", "total_tokens_num_decode", "total_seqs_num",
+    "total_seqs_num_prefill", "total_seqs_num_decode", "num_spec_step",
+)  # fmt: skip
 
 
 class ScheduledBatch:
@@ -103,6 +119,74 @@ class ScheduledBatch:
             do_sample.append(end >= s.num_tokens)
         self.scheduled_tokens = tokens
         self.do_sample = do_sample
+
+    def to_ints(self) -> tuple[list[int], list[int]]:
+        """(header, payload): the fields the model and the attention builders read, as int64
+        values; `from_ints` rebuilds the batch on another rank."""
+        spec = self.scheduled_spec_decode_tokens
+        optional = [self.pad_block is not None, self.left_pad_blocks is not None, self.tkvs is not None]
+        sections: dict[str, list[int]] = {
+            "scalars": [getattr(self, n) for n in _SCALARS] + [-1 if self.pad_block is None else self.pad_block]
+            + [int(b) for b in optional],
+            "req_ids": self.req_ids,
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "context_lens": self.context_lens,
+            "do_sample": [int(d) for d in self.do_sample],
+            "block_table_lens": [len(t) for t in self.block_tables],
+            "block_tables": [b for t in self.block_tables for b in t],
+            "scheduled_tokens": self.scheduled_tokens,
+            "per_req_cache_groups": self.per_req_cache_groups,
+            "spec_counts": [len(spec.get(r, ())) for r in self.req_ids],
+            "spec_tokens": [t for r in self.req_ids for t in spec.get(r, ())],
+            "left_pad_blocks": self.left_pad_blocks or [],
+            "tkvs": self.tkvs or [],
+            "state_loads": [v for row, slot in self.state_loads.items() for v in (row, slot)],
+            "state_saves": [v for row, saves in self.state_saves.items() for pos, slot in saves for v in (row, pos, slot)],
+        }  # fmt: skip
+        header = [BATCH_FORMAT_VERSION] + [len(sections[name]) for name in BATCH_SECTIONS]
+        return header, [int(v) for name in BATCH_SECTIONS for v in sections[name]]
+
+    @classmethod
+    def from_ints(cls, header: list[int], payload: list[int]) -> ScheduledBatch:
+        """The batch `to_ints` described, without its sequences (a tensor-parallel rank runs the
+        model on it; only rank 0 samples, so it has none of the sampling fields)."""
+        if len(header) != BATCH_HEADER_LEN or header[0] != BATCH_FORMAT_VERSION:
+            raise ValueError(f"not a batch header of format {BATCH_FORMAT_VERSION}: {header[:4]}...")
+        ends = list(accumulate(header[1:]))
+        if ends[-1] != len(payload):
+            raise ValueError(f"the batch header describes {ends[-1]} values, the payload has {len(payload)}")
+        parts = {name: payload[end - n : end] for name, n, end in zip(BATCH_SECTIONS, header[1:], ends)}
+        batch = cls.__new__(cls)
+        scalars = parts["scalars"]
+        for name, value in zip(_SCALARS, scalars):
+            setattr(batch, name, value)
+        pad_block, has_pad, has_left_pad, has_tkvs = scalars[len(_SCALARS) :]
+        batch.pad_block = pad_block if has_pad else None
+        batch.left_pad_blocks = parts["left_pad_blocks"] if has_left_pad else None
+        batch.tkvs = parts["tkvs"] if has_tkvs else None
+        for name in ("req_ids", "num_scheduled_tokens", "num_computed_tokens", "num_cached_tokens", "context_lens",
+                     "scheduled_tokens", "per_req_cache_groups"):  # fmt: skip
+            setattr(batch, name, parts[name])
+        batch.do_sample = [bool(d) for d in parts["do_sample"]]
+        lens = parts["block_table_lens"]
+        flat = parts["block_tables"]
+        batch.block_tables = [flat[end - n : end] for n, end in zip(lens, accumulate(lens))]
+        counts, drafts = parts["spec_counts"], parts["spec_tokens"]
+        batch.scheduled_spec_decode_tokens = {
+            r: drafts[end - n : end] for r, n, end in zip(batch.req_ids, counts, accumulate(counts)) if n
+        }
+        loads = parts["state_loads"]
+        batch.state_loads = dict(zip(loads[0::2], loads[1::2]))
+        saves: dict[int, list[tuple[int, int]]] = {}
+        triples = parts["state_saves"]
+        for row, pos, slot in zip(triples[0::3], triples[1::3], triples[2::3]):
+            saves.setdefault(row, []).append((pos, slot))
+        batch.state_saves = saves
+        batch._seqs = []
+        batch.temperatures, batch.top_ks, batch.top_ps = [], [], []
+        return batch
 
     def __repr__(self) -> str:
         return (
