@@ -28,6 +28,14 @@ def vocab_range(num_embeddings: int) -> tuple[int, int, int]:
     return start, max(0, min(per_rank, num_embeddings - start)), per_rank
 
 
+def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, num_embeddings: int, start: int, rows: int) -> None:
+    """This rank's rows of a whole-vocabulary checkpoint tensor (the padding rows stay zero)."""
+    if loaded.shape[0] != num_embeddings:
+        raise ValueError(f"the vocabulary has {num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.data[:rows].copy_(loaded[start : start + rows])
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -37,12 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
-        if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"the vocabulary has {self.num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}"
-            )
-        with torch.no_grad():
-            param.data[: self.rows].copy_(loaded[self.start : self.start + self.rows])
+        load_vocab_rows(param, loaded, self.num_embeddings, self.start, self.rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_group().world_size == 1:
@@ -71,12 +74,7 @@ class ParallelLMHead(Linear):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
-        if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"the vocabulary has {self.num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}"
-            )
-        with torch.no_grad():
-            param.data[: self.rows].copy_(loaded[self.start : self.start + self.rows])
+        load_vocab_rows(param, loaded, self.num_embeddings, self.start, self.rows)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab]: every rank's logits in vocabulary order (the padding rows dropped)."""
