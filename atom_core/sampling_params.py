@@ -90,10 +90,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         raise ValueError(f"logit_bias must be a mapping of token id to a number, got {value!r}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        try:
-            token = int(key) if not isinstance(key, bool) and str(key).lstrip("-").isdigit() else -1
-        except (TypeError, ValueError):
-            token = -1
+        token = int(key) if not isinstance(key, bool) and str(key).lstrip("-").isdigit() else -1
         if token < 0:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
         if not is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
@@ -108,6 +105,12 @@ def _structured_output(value: object) -> StructuredOutputParams | None:
     if value is None or isinstance(value, StructuredOutputParams):
         return value
     if isinstance(value, dict):
+        known = {f.name for f in attrs.fields(StructuredOutputParams)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"structured_output has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         return StructuredOutputParams(**value)
     raise ValueError(f"structured_output must be a StructuredOutputParams or a mapping, got {value!r}")
 

@@ -73,6 +73,7 @@ def test_json_object_regex_choice_and_lark_constrain_greedy_output(engine, ask):
         ({"json": CAT_SCHEMA, "backend": "no-such"}, "unknown structured-output backend 'no-such'"),
         ({"regex": "a", "choice": ["a"]}, "exactly one of"),
         ({"choice": []}, "non-empty list"),
+        ({"regexp": "a"}, "structured_output has unknown field(s) regexp; known: backend, choice, grammar, json"),
     ],
 )
 def test_a_bad_grammar_is_a_value_error_at_add_request_and_queues_nothing(engine, ask, spec, says):

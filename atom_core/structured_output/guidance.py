@@ -68,7 +68,7 @@ class GuidanceBackend(StructuredOutputBackend):
         elif kind == "regex":
             grammar = matcher_cls.grammar_from_regex(params.regex or "")
         elif kind == "choice":
-            grammar = matcher_cls.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice or []))
+            grammar = llguidance.grammar_from("choice", json.dumps(params.choice))
         else:
             grammar = llguidance.grammar_from("grammar", params.grammar or "")
         error = matcher_cls.validate_grammar(grammar, self.ll_tokenizer)
