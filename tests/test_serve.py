@@ -173,6 +173,7 @@ def test_a_repeated_prompt_reports_cached_tokens(client, model_name):
         ({"prompt": "x", "temperature": -1}, 400, "temperature must be"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be int or float, got 'hot'"),
         ({"prompt": "x", "max_tokens": 100000}, 400, "exceed max_model_len=1024"),
+        ({"prompt": "x", "structured_outputs": {"regexp": "a"}}, 400, "unknown field(s) regexp"),
         ({"prompt": [10**9]}, 400, "outside the vocabulary"),
         ({"prompt": 5}, 400, "prompt must be"),
         ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported"),
