@@ -72,6 +72,11 @@ def _max_logprobs(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {value!r}")
 
 
+def _positive_seconds(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not is_number(value) or not value > 0:
+        raise ValueError(f"{attr.name} must be a positive number of seconds, got {value!r}")
+
+
 @attrs.define(kw_only=True)
 class SpeculativeConfig:
     """Draft-and-verify decoding: each decode step checks up to `num_speculative_tokens` drafts.
@@ -192,6 +197,20 @@ class Config:
     # `atom serve`: engine-core processes, each with the whole model and a share of the cores
     # and of the KV budget; requests go to the one with the fewest outstanding.
     data_parallel_size: int = attrs.field(default=1, validator=positive)
+    # -- tensor and expert parallel (docs/parallel.md) --
+    # Ranks one model is split across (1: nothing touches torch.distributed). Each engine core
+    # of `data_parallel_size` owns its own group of this many.
+    tensor_parallel_size: int = attrs.field(default=1, validator=positive)
+    # MoE layers: whole experts per rank instead of every expert's intermediate size split.
+    enable_expert_parallel: bool = attrs.field(default=False, validator=boolean)
+    # "auto": gloo on CPU, NCCL on CUDA; or "gloo", "nccl", "mpi".
+    distributed_backend: str = attrs.field(default="auto", validator=one_of(("auto", "gloo", "nccl", "mpi")))
+    # How the other ranks start, a name from the "distributed_executors" registry: "mp" (rank 0
+    # starts them on this host), "torchrun" (torchrun started every rank; ranks other than 0
+    # run `atom worker`), or a plugin's.
+    distributed_executor: str = attrs.field(default="mp", validator=name)
+    # Seconds a model collective may wait for the slowest rank before the step fails.
+    distributed_timeout: float = attrs.field(default=300.0, validator=_positive_seconds)
     # Settings that belong to a plugin (a scheduling policy's, an attention builder's), by
     # name: each plugin class declares and validates its own (`options_class`, see
     # atom_core/plugins/options.py). `LLMEngine(...)` and the CLI take them by name too.

@@ -11,12 +11,16 @@ from torch import nn
 
 from atom_core.layers import (
     Attention,
-    Linear,
-    MergedLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
     RMSNorm,
+    RowParallelLinear,
     apply_rotary,
+    compute_logits,
     get_rope,
+    lm_head,
     silu_and_mul,
+    vocab_embedding,
 )
 from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 
@@ -30,14 +34,14 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = d = head_dim_of(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": self.num_heads * d, "k": self.num_kv_heads * d, "v": self.num_kv_heads * d}, bias
-        )
-        self.o_proj = Linear(self.num_heads * d, cfg.hidden_size, bias=bias)
+        # this rank's heads (all of them at one rank)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=bias)
         self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id, attn_type="mha")
         if self.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -62,8 +66,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     @classmethod
     def from_config(cls, cfg: Any) -> LlamaMLP:
@@ -111,7 +117,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = get_rope(cfg, self.rope_dim(cfg), cfg.max_position_embeddings)
@@ -175,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         check_full_attention(hf_config, atom_config)
         self.config = hf_config
         self.model = self.model_cls(hf_config)
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = lm_head(hf_config.vocab_size, hf_config.hidden_size)
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -183,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return compute_logits(self.lm_head, hidden)
 
 
 # --- GGUF: how llama.cpp's converter writes this family (atom_core/loading/gguf/architecture.py) ---------------

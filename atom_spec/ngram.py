@@ -34,6 +34,7 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 class NgramProposer(Proposer):
     skips_idle_steps = True  # reads only the request's tokens
+    supports_tensor_parallel = True  # no model: rank 0 alone proposes
 
     def __init__(self, context, spec_config):
         super().__init__(context, spec_config)

@@ -1,4 +1,5 @@
-"""The collectives parallel layers call, over the tensor-parallel group (no-ops for one rank)."""
+"""The collectives parallel layers and the executors call, over the tensor-parallel group
+(no-ops for one rank)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,37 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.world_size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_ints(values: list[int] | None, length: int) -> list[int]:
+    """Rank 0's `values` (`length` int64s) on every rank, over the control group; the other
+    ranks pass None. On CPU tensors: gloo's, and what the executors' step messages are."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        assert values is not None
+        return list(values)
+    import torch.distributed as dist
+
+    if tp.rank == 0:
+        assert values is not None and len(values) == length
+        t = torch.tensor(values, dtype=torch.int64)
+    else:
+        t = torch.empty(length, dtype=torch.int64)
+    if length:
+        dist.broadcast(t, src=0, group=tp.control)
+    return t.tolist()
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0's `data` on every rank (its length first), over the control group."""
+    (n,) = broadcast_ints([len(data)] if data is not None else None, 1)
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        assert data is not None
+        return data
+    import torch.distributed as dist
+
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if tp.rank == 0 and data else torch.empty(n, dtype=torch.uint8)
+    if n:
+        dist.broadcast(t, src=0, group=tp.control)
+    return bytes(t.numpy()) if tp.rank else data  # type: ignore[return-value]

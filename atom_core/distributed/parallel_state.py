@@ -1,26 +1,36 @@
-"""Which tensor-parallel rank this process is, and its torch.distributed group.
+"""Which tensor-parallel rank this process is, and its torch.distributed groups.
 
 One rank (the default) touches nothing of torch.distributed: every collective in
 `communication.py` returns its input. `init_tensor_parallel` forms the group (gloo on CPU,
 NCCL on CUDA, through torch.distributed's own rendezvous: a `tcp://` or `file://` init
 method, or torchrun's environment with `env://`).
+
+Two groups over the same ranks: `group`, for the model's collectives, fails a collective
+that waits longer than `timeout_s`; `control`, on which rank 0 broadcasts each step, does not
+time out, since the other ranks wait on it for as long as the engine sits idle. A rank that
+dies closes its sockets, which fails the others' next collective at once.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
 import attrs
 
 BACKENDS = ("gloo", "nccl", "mpi")
+# What the step broadcasts wait: the other ranks wait between steps for as long as the engine is idle.
+CONTROL_TIMEOUT = timedelta(days=365)
 
 
 @attrs.define(frozen=True)
 class ParallelGroup:
     rank: int = 0
     world_size: int = 1
-    group: Any = None  # a torch.distributed ProcessGroup; None for one rank
+    group: Any = None  # a torch.distributed ProcessGroup for the model's collectives; None for one rank
+    control: Any = None  # the same ranks, for the step broadcasts (no timeout)
+    local_world_size: int = 1  # ranks on this host, which share its memory and cores
 
     @property
     def is_first(self) -> bool:
@@ -45,9 +55,12 @@ def resolve_backend(backend: str, device: str) -> str:
 
 def init_tensor_parallel(
     rank: int, world_size: int, init_method: str = "env://", backend: str = "auto", device: str = "cpu",
-    timeout_s: float = 60.0,
+    timeout_s: float = 300.0, local_world_size: int | None = None, store: Any = None,
 ) -> ParallelGroup:  # fmt: skip
-    """Join a group of `world_size` ranks as `rank` and make it this process's tensor-parallel group."""
+    """Join a group of `world_size` ranks as `rank` and make it this process's tensor-parallel group.
+
+    `local_world_size`: the ranks on this host (torchrun's LOCAL_WORLD_SIZE; all of them if unset).
+    `store`: a `torch.distributed.Store` the ranks already share, instead of `init_method`."""
     global _tp
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a tensor-parallel group of {world_size}")
@@ -56,11 +69,20 @@ def init_tensor_parallel(
         return _tp
     import torch.distributed as dist
 
-    dist.init_process_group(
-        backend=resolve_backend(backend, device), init_method=init_method, rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    _tp = ParallelGroup(rank, world_size, dist.group.WORLD)
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group (another tensor-parallel engine "
+            "still open?): close() that engine before making another"
+        )
+    backend = resolve_backend(backend, device)
+    timeout = timedelta(seconds=timeout_s)
+    where: dict[str, Any] = {"store": store} if store is not None else {"init_method": init_method}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **where)
+    ranks = list(range(world_size))
+    group = dist.new_group(ranks, timeout=timeout, backend=backend)
+    control = dist.new_group(ranks, timeout=CONTROL_TIMEOUT, backend=backend)
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _tp = ParallelGroup(rank, world_size, group, control, local)
     return _tp
 
 

@@ -49,11 +49,13 @@ class EngineCore:
     """`EngineCore(ModelSource)`: `add_request(token_ids, params)`, `step()`, `abort(id)`."""
 
     def __init__(self, source: ModelSource):
-        from atom_core.runner.model_runner import ModelRunner
+        from atom_core.executor.executor import make_executor
 
         config, hf_config = source.config, source.hf_config
         self.tokenizer = source.tokenizer
-        self.runner = ModelRunner(config, hf_config)
+        # One rank, or rank 0 of a tensor-parallel group (`config.tensor_parallel_size`).
+        self.executor = make_executor(config, hf_config)
+        self.runner = self.executor.runner
         if self.runner.device.type == "cpu":
             from atom_core.layers.cpp import summary
 
@@ -186,7 +188,7 @@ class EngineCore:
         if scheduled is not None:
             batch, seqs = scheduled
             try:
-                output = self.runner.forward(batch, seqs)
+                output = self.executor.execute(batch, seqs)
             except Exception:
                 self.scheduler.fail(batch, seqs)
                 self.output_processor.process(self.requests[r] for r in seqs if r in self.requests)
@@ -232,6 +234,11 @@ class EngineCore:
             "ttft": ttft,
             "tpot": tpot,
         }
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a later engine in this process forms its
+        own group); idempotent. A one-rank engine holds nothing that needs it."""
+        self.executor.close()
 
     def get_spec_stats(self) -> dict[str, Any]:
         """Speculative-decoding counts with vLLM's meanings (all zero without speculation)."""

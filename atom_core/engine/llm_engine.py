@@ -98,6 +98,16 @@ class LLMEngine:
         """Speculative-decoding counts with vLLM's meanings (all zero without speculation)."""
         return self.core.get_spec_stats()
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; `with LLMEngine(...) as engine:` does it too."""
+        self.core.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- run to completion -------------------------------------------------------------
 
     def generate(

@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config, check_device
+from atom_core.loading.hf_config import read_hf_config
 from atom_core.plugins.options import check_plugin_options, declared_options
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -29,12 +30,10 @@ class ModelSource:
 
 def load_model_source(model: str | Path | None, **kwargs: Any) -> ModelSource:
     """`kwargs` are `Config` fields or plugin settings (checked before any GGUF file is converted)."""
-    from transformers import AutoConfig
-
     kwargs = route_plugin_settings(kwargs)
     check_device(Config(**kwargs).device)
     folder = resolve_model(model)
-    hf_config = text_config_of(AutoConfig.from_pretrained(folder))
+    hf_config = read_hf_config(folder)
     config = Config(model=str(folder), **kwargs)
     config = attrs.evolve(config, **model_defaults(config, hf_config, folder))
     return ModelSource(config, hf_config, load_tokenizer(folder))
@@ -76,15 +75,6 @@ def resolve_model(model: str | Path | None) -> Path:
         f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
         "(Atom does not download from a model hub; `atom fetch` installs the default model)"
     )
-
-
-def text_config_of(hf_config: Any) -> Any:
-    """The language model's config of a multimodal checkpoint (Atom runs its text model), under the
-    checkpoint's own `architectures`, by which a model plugin registers it; a text config as is."""
-    text = hf_config.get_text_config()
-    if text is not hf_config:
-        text.architectures = hf_config.architectures
-    return text
 
 
 def route_plugin_settings(kwargs: dict[str, Any]) -> dict[str, Any]:

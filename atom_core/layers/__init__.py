@@ -1,7 +1,15 @@
 """Torch building blocks that model plugins share (they import torch; `atom_core` does not)."""
 
 from atom_core.layers.attention import Attention
-from atom_core.layers.linear import Linear, MergedLinear
+from atom_core.layers.embed_head import compute_logits, lm_head, vocab_embedding
+from atom_core.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    MergedColumnParallelLinear,
+    MergedLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, register_router, select_experts
 from atom_core.layers.norm import RMSNorm
@@ -10,6 +18,13 @@ from atom_core.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
     "Attention",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "compute_logits",
+    "lm_head",
+    "vocab_embedding",
     "FusedMoE",
     "Linear",
     "MLAAttention",

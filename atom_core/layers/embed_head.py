@@ -81,3 +81,24 @@ class ParallelLMHead(Linear):
         if get_tp_group().world_size == 1:
             return local[..., : self.num_embeddings]
         return all_gather(local, dim=-1)[..., : self.num_embeddings]
+
+
+def vocab_embedding(num_embeddings: int, embedding_dim: int) -> nn.Module:
+    """The token embedding: split across the ranks, or at one rank a plain `nn.Embedding` (which
+    a streamed LM head tied to it may replace, `process_weights`)."""
+    if get_tp_group().world_size == 1:
+        return nn.Embedding(num_embeddings, embedding_dim)
+    return VocabParallelEmbedding(num_embeddings, embedding_dim)
+
+
+def lm_head(num_embeddings: int, embedding_dim: int, bias: bool = False) -> Linear:
+    """The output projection: split across the ranks, or at one rank a plain `Linear`."""
+    if get_tp_group().world_size == 1:
+        return Linear(embedding_dim, num_embeddings, bias=bias)
+    return ParallelLMHead(num_embeddings, embedding_dim, bias=bias)
+
+
+def compute_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`head(hidden)`, every rank's vocabulary rows joined: [tokens, vocab]."""
+    logits = head(hidden)
+    return head.gather_logits(logits) if isinstance(head, ParallelLMHead) else logits

@@ -175,9 +175,7 @@ class ColumnParallelLinear(Linear):
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         super().__init__(in_features, divide(out_features, tp.world_size, "output features"), bias=bias)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        _split_loader(self, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         rows = param.shape[0]
@@ -194,9 +192,7 @@ class RowParallelLinear(Linear):
         tp = get_tp_group()
         self.tp_rank, self.tp_size, self.reduce_results = tp.rank, tp.world_size, reduce_results
         super().__init__(divide(in_features, tp.world_size, "input features"), out_features, bias=bias)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        _split_loader(self, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         if param.dim() == 1:  # the bias: once over the ranks
@@ -258,6 +254,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         if shard == "q":
             return self.tp_rank * self.num_heads * self.head_dim
         return (self.tp_rank // self.kv_replicas) * self.num_kv_heads * self.head_dim
+
+
+def _split_loader(layer: nn.Module, bias: bool) -> None:
+    """Route the checkpoint's tensors through `layer.weight_loader` when it is split; one rank's
+    layer loads as a plain `Linear` does (and takes GGUF's kept blocks as one)."""
+    if layer.tp_size > 1:
+        layer.weight.weight_loader = layer.weight_loader  # type: ignore[union-attr]
+        if bias:
+            layer.bias.weight_loader = layer.weight_loader  # type: ignore[union-attr]
 
 
 def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:

@@ -25,3 +25,9 @@ def atom_register_cpp_kernels(registry):
 @hookimpl
 def atom_register_structured_output_backends(registry):
     registry.register("guidance", "atom_core.structured_output.guidance:GuidanceBackend")
+
+
+@hookimpl
+def atom_register_distributed_executors(registry):
+    registry.register("mp", "atom_core.executor.multiproc:MultiprocExecutor")
+    registry.register("torchrun", "atom_core.executor.torchrun:TorchrunExecutor")

@@ -85,3 +85,13 @@ def atom_register_structured_output_backends(registry: PluginRegistry) -> None:
 
     Asked when a request with `structured_output` arrives and its engine has not yet built that
     backend; built as `cls(tokenizer, vocab_size, eos_token_ids)`, once per engine."""
+
+
+@hookspec
+def atom_register_distributed_executors(registry: PluginRegistry) -> None:
+    """Register ways to start the ranks of a tensor-parallel engine
+    (`atom_core.executor.executor.DistributedExecutor` subclasses) by name ("mp", "torchrun"),
+    e.g. `registry.register("ray", "my_pkg.ray_executor:RayExecutor")`.
+
+    Asked when an engine with `tensor_parallel_size > 1` starts; built as `cls(config, hf_config)`
+    in rank 0's process, by `Config.distributed_executor`."""

@@ -34,6 +34,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "gguf_architectures": ("atom_register_gguf_architectures", "GGUF architecture"),
     "cpp_kernels": ("atom_register_cpp_kernels", "C++ kernel"),
     "structured_output_backends": ("atom_register_structured_output_backends", "structured-output backend"),
+    "distributed_executors": ("atom_register_distributed_executors", "distributed executor"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

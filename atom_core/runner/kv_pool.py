@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from atom_core.config import Config
+from atom_core.distributed.parallel_state import get_tp_group
 from atom_core.kv.layout import KVLayout, KVPoolPlan
 from atom_core.platform.memory import free_memory_bytes
 from atom_core.runner.attention_builder import AttentionMetadataBuilder, KVCacheTensor
@@ -63,8 +64,12 @@ def plan_kv_pool(
         if cfg.kv_cache_memory is not None:
             budget, source = cfg.kv_cache_memory, f"kv_cache_memory={cfg.kv_cache_memory}"
         elif device.type == "cpu":
-            budget = int(free_memory_bytes(device) * CPU_KV_CACHE_FRACTION)
+            # shared by the tensor-parallel ranks on this host
+            ranks_here = get_tp_group().local_world_size
+            budget = int(free_memory_bytes(device) * CPU_KV_CACHE_FRACTION) // ranks_here
             source = f"{CPU_KV_CACHE_FRACTION:.0%} of free memory ({budget} bytes)"
+            if ranks_here > 1:
+                source = f"{CPU_KV_CACHE_FRACTION:.0%} of free memory over {ranks_here} ranks ({budget} bytes)"
         else:
             budget = int(free_memory_bytes(device) * cfg.gpu_memory_utilization)
             source = f"gpu_memory_utilization={cfg.gpu_memory_utilization} ({budget} bytes)"

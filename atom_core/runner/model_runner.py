@@ -12,10 +12,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from atom_core.config import Config
+from atom_core.distributed.communication import broadcast_ints
+from atom_core.distributed.parallel_state import get_tp_group
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
@@ -47,6 +50,34 @@ def resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
     return _DTYPES.get(str(found).removeprefix("torch."), torch.float32)
 
 
+def _ranges(spans) -> np.ndarray:
+    """The positions of each half-open [start, end) span, concatenated (int64)."""
+    parts = [np.arange(a, b, dtype=np.int64) for a, b in spans]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@attrs.define
+class StepRows:
+    """What every tensor-parallel rank needs of a step: its batch, the rows whose logits are
+    computed (the sampling positions, then prompt-logprob positions), and the drafts each row
+    of the previous batch had accepted (row -> count) for builders with per-request state."""
+
+    batch: ScheduledBatch
+    sample_index: np.ndarray
+    prompt_index: np.ndarray
+    accepted_before: dict[int, int] = attrs.field(factory=dict)
+
+
+@attrs.define
+class ModelOutput:
+    hidden: torch.Tensor
+    scored: torch.Tensor | None  # the sampling rows' hidden states
+    logits: torch.Tensor | None  # theirs, in the model's dtype
+    prompt_logits: torch.Tensor | None  # float32, the prompt-logprob rows'
+    input_ids: torch.Tensor
+    meta: Any  # the first attention builder's metadata
+
+
 class ModelRunner:
     def __init__(self, config: Config, hf_config: Any, pm=None):
         self.config = config
@@ -68,10 +99,18 @@ class ModelRunner:
         if not archs:
             raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")
         model_cls = get_registry("models", pm).get(archs[0])
-        self.model = self._build_model(model_cls)
         spec = config.speculative_config
+        self.tp = tp = get_tp_group()
+        proposer_cls = get_registry("proposers", pm).get(spec.method) if spec else None
+        if tp.world_size > 1 and proposer_cls is not None and not proposer_cls.supports_tensor_parallel:
+            assert spec is not None
+            raise ValueError(
+                f"speculative_config.method={spec.method!r} runs a draft model, which does not run under "
+                f"tensor_parallel_size={tp.world_size} yet; 'ngram' does (or set tensor_parallel_size=1)"
+            )
         # A proposer with weights (a draft layer, an EAGLE head) builds them here; its
         # attention layers join the target's below and take KV from the same pool.
+        self.model = self._build_model(model_cls)
         if spec:  # verify steps must round as plain decode steps do
             batch_invariant_gemms(self.model)
         # Filled below once the proposer's layers are known; the proposer holds the same mapping.
@@ -80,9 +119,7 @@ class ModelRunner:
             config=config, hf_config=hf_config, model=self.model, instantiate=self.instantiate,
             load_weights=self.load_weights, attn_builders=self.attn_builders,
         )  # fmt: skip
-        self.proposer: Proposer | None = (
-            get_registry("proposers", pm).get(spec.method)(proposer_context, spec) if spec else None
-        )
+        self.proposer: Proposer | None = proposer_cls(proposer_context, spec) if proposer_cls else None
         self.verifier = get_registry("samplers", pm).get(spec.verifier)(config) if spec else None
         draft_modules = self.proposer.draft_modules() if self.proposer else []
         self._aux_hidden: dict[int, torch.Tensor] = {}  # slot in `aux_hidden_layers` -> that layer's output
@@ -90,6 +127,7 @@ class ModelRunner:
         self._last_logits: torch.Tensor | None = None
         self._last_hidden: torch.Tensor | None = None
         self._last_rows: np.ndarray | None = None
+        self._previous_batch: ScheduledBatch | None = None  # for drafts accepted after it (`execute_model`)
         if self.proposer and self.proposer.aux_hidden_layers:
             self._capture_aux_hidden(self.proposer.aux_hidden_layers)
         self.attn_layers = [
@@ -107,21 +145,34 @@ class ModelRunner:
         # Whether an argmax-only step can save anything: a screened LM head (made now, not in the
         # first request's first token), a sampler that takes its rows, and no drafts to verify
         # (their GEMMs are batch-invariant, which no screen serves).
-        self.screens_lm_head = not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
+        # (One rank only: a split LM head's rows are gathered whole first.)
+        self.screens_lm_head = (
+            tp.world_size == 1 and not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
+        )
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
         reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
         layouts = {t: b.kv_layout() for t, b in self.attn_builders.items()}
         self.kv_plan: KVPoolPlan = plan_kv_pool(layouts, config, self.device, len(reserved))
+        if tp.world_size > 1:  # every rank allocates rank 0's block count
+            (num_blocks,) = broadcast_ints([self.kv_plan.num_blocks] if tp.is_first else None, 1)
+            if num_blocks != self.kv_plan.num_blocks:
+                fixed = attrs.evolve(config, num_kvcache_blocks=num_blocks)
+                self.kv_plan = plan_kv_pool(layouts, fixed, self.device, len(reserved))
         self.kv_cache_tensors, self.per_req_cache_tensors, kv_cache_data = allocate_kv_pool(
             self.attn_builders, self.attn_layers, self.kv_plan, getattr(hf_config, "num_key_value_heads", None)
         )
         set_kv_cache_data(kv_cache_data)
-        self.run_model = compile_model(self.model, config, self.device)
+        # The compiled path traces one rank's graph; with collectives in it, ranks run eagerly.
+        self.run_model = compile_model(self.model, config, self.device) if tp.world_size == 1 else self.model
         # Eager modules skip nn.Module.__call__'s hook checks (a compiled model is traced as it is;
         # a proposer's own layers always run eagerly).
         for root in ([self.model] if self.run_model is self.model else []) + draft_modules:
             direct_calls(root)
         self.timings: dict[str, float] = defaultdict(float)
+        # Set by a multi-rank executor: called on rank 0 with each step's batch, its logit rows and
+        # the previous step's accepted drafts, before the model runs, to send them to the other ranks.
+        self.announce: Callable[[StepRows], None] | None = None
+        self._accepted: dict[int, int] = {}  # the last step's accepted drafts per row, not yet announced
         release_freed_heap()  # what loading freed: the checkpoint's tensors, kernels' staging copies
 
     def _build_model(self, model_cls: type) -> torch.nn.Module:
@@ -185,40 +236,26 @@ class ModelRunner:
         """Run one scheduled batch (decode rows and prompt chunks alike); sample where a request reaches its end.
 
         A decode row carrying drafts is scored at each of its positions and verified; the
-        proposer then drafts the next step's tokens from what was accepted.
+        proposer then drafts the next step's tokens from what was accepted. Rank 0's work:
+        the other tensor-parallel ranks run only `execute_model`.
         """
-        t0 = time.perf_counter()
-        metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
-        meta = next(iter(metas.values()))
-        input_ids = torch.tensor(batch.scheduled_tokens, dtype=torch.int64, device=self.device)
         rows = [i for i, s in enumerate(batch.do_sample) if s]
         sample_ids = [batch.req_ids[i] for i in rows]
         spec = batch.scheduled_spec_decode_tokens
         drafts = [spec.get(rid, []) for rid in sample_ids]
-        set_forward_context(
-            attn_metadata_by_type=metas,
-            atom_config=self.config,
-            context=Context(
-                positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
-            ),
-            argmax_only=(argmax_only := self.screens_lm_head and self._argmax_only(sample_ids, seqs)),
-        )
-        ends = meta.query_start_loc_cpu[1:][rows]  # one past each sampling row's last token
-        t1 = time.perf_counter()
-        self._aux_hidden.clear()
-        try:
-            hidden = self.run_model(input_ids, meta.positions)
-            # Only the positions that sample reach the lm_head: a request's last token, or
-            # its last token and each draft; middle chunks and prompt tokens never do.
-            logits = None
-            if rows:
-                index = np.concatenate([np.arange(e - 1 - len(d), e) for e, d in zip(ends, drafts)])
-                # In the model's dtype; the sampler, the verifier and log probabilities widen them.
-                scored = hidden[torch.from_numpy(index).to(self.device)]
-                # (the model's own method; torch's nn.Module stubs type attributes Tensor | Module)
-                logits = self.model.compute_logits(scored)  # type: ignore[operator]
-        finally:
-            reset_forward_context()
+        query_start = np.concatenate(([0], np.cumsum(batch.num_scheduled_tokens, dtype=np.int64)))
+        ends = query_start[1:][rows]  # one past each sampling row's last token
+        # Only the positions that sample reach the lm_head: a request's last token, or its last
+        # token and each draft; middle chunks and prompt tokens never do (but for prompt logprobs).
+        sample_index = _ranges((e - 1 - len(d), e) for e, d in zip(ends, drafts))
+        spans = self._prompt_logprob_spans(batch, seqs, query_start)
+        step = StepRows(batch, sample_index, _ranges((at, at + n) for _, _, at, n in spans), self._accepted)
+        if self.announce is not None:
+            self.announce(step)
+        self._accepted = {}
+        argmax_only = self.screens_lm_head and self._argmax_only(sample_ids, seqs)
+        out = self.execute_model(step, argmax_only)
+        logits = out.logits
         t2 = time.perf_counter()
         tokens: list[list[int]] = []
         # Where each sampling row's scored positions start in `logits` (its last token, then its drafts).
@@ -229,13 +266,12 @@ class ModelRunner:
             if accepted:
                 for builder in self.attn_builders.values():
                     builder.commit_speculation(batch, accepted)
+                self._accepted = accepted  # the other ranks' builders commit it before the next step
         logprobs = self._logprobs(sample_ids, seqs, starts, tokens, logits) if rows else {}
-        prompt_logprobs = self._prompt_logprobs(batch, seqs, meta, hidden)
+        prompt_logprobs = self._prompt_logprobs(spans, seqs, out.prompt_logits)
         t3 = time.perf_counter()
-        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden)
+        proposals = self._propose(batch, seqs, rows, ends, drafts, tokens, out.input_ids, out.meta, out.hidden)
         timings = self.timings
-        timings["prepare"] += t1 - t0
-        timings["forward"] += t2 - t1
         timings["sample"] += t3 - t2
         timings["propose"] += time.perf_counter() - t3
         # The logits each request sampled its last token from, a row per request of
@@ -243,14 +279,55 @@ class ModelRunner:
         # be mostly -inf, so its hidden states are kept instead, to compute them whole when asked.
         self.last_req_ids = sample_ids
         self._last_logits = logits if rows and not argmax_only else None
-        self._last_hidden = scored if rows and argmax_only else None
+        self._last_hidden = out.scored if rows and argmax_only else None
         self._last_rows = starts + [len(t) - 1 for t in tokens] if rows else None
-        out = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
-        out.logprobs, out.prompt_logprobs = logprobs, prompt_logprobs
+        result = ScheduledBatchOutput({rid: tuple(t) for rid, t in zip(sample_ids, tokens)})
+        result.logprobs, result.prompt_logprobs = logprobs, prompt_logprobs
         if proposals:
-            out.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
-            out.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
-        return out
+            result.draft_token_ids = {rid: d.token_ids for rid, d in proposals.items()}
+            result.draft_probs = {rid: d.probs for rid, d in proposals.items() if d.probs is not None}
+        return result
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepRows, argmax_only: bool = False) -> ModelOutput:
+        """The model on `step.batch`, and the logits of the rows `step` names: what every
+        tensor-parallel rank runs, in the same order, so their collectives meet."""
+        t0 = time.perf_counter()
+        batch = step.batch
+        if step.accepted_before and self._previous_batch is not None:  # rank 0 did this after sampling
+            for builder in self.attn_builders.values():
+                builder.commit_speculation(self._previous_batch, step.accepted_before)
+        self._previous_batch = batch
+        metas = {t: b.build(batch) for t, b in self.attn_builders.items()}
+        meta = next(iter(metas.values()))
+        input_ids = torch.tensor(batch.scheduled_tokens, dtype=torch.int64, device=self.device)
+        set_forward_context(
+            attn_metadata_by_type=metas,
+            atom_config=self.config,
+            context=Context(
+                positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
+            ),
+            argmax_only=argmax_only,
+        )
+        t1 = time.perf_counter()
+        self._aux_hidden.clear()
+        scored = logits = None
+        try:
+            hidden = self.run_model(input_ids, meta.positions)
+            if len(step.sample_index):
+                # In the model's dtype; the sampler, the verifier and log probabilities widen them.
+                scored = hidden[torch.from_numpy(step.sample_index).to(self.device)]
+                # (the model's own method; torch's nn.Module stubs type attributes Tensor | Module)
+                logits = self.model.compute_logits(scored)  # type: ignore[operator]
+        finally:
+            reset_forward_context()
+        prompt_logits = None
+        if len(step.prompt_index):  # outside the forward context: never screened
+            rows = hidden[torch.from_numpy(step.prompt_index).to(self.device)]
+            prompt_logits = self.model.compute_logits(rows).float()  # type: ignore[operator]
+        self.timings["prepare"] += t1 - t0
+        self.timings["forward"] += time.perf_counter() - t1
+        return ModelOutput(hidden, scored, logits, prompt_logits, input_ids, meta)
 
     def _sample(self, logits, sample_ids, seqs, drafts, starts) -> list[list[int]]:
         """Per sampling request its tokens: the verifier's (accepted drafts, then one) for rows
@@ -326,25 +403,33 @@ class ModelRunner:
                 out[rid] = token_logprobs(logits[start : start + len(t)], t, n)
         return out
 
-    def _prompt_logprobs(self, batch, seqs, meta, hidden) -> dict[int, tuple[int, list]]:
-        """For requests that asked: (index of the first prompt token scored, entries) for this step's chunk.
+    @staticmethod
+    def _prompt_logprob_spans(batch, seqs, query_start) -> list[tuple[int, int, int, int]]:
+        """(request id, first prompt token scored, its row in the batch, rows) for this step's
+        chunk of each request that asked for prompt logprobs.
 
         Position p scores prompt token p + 1; tokens already scored before a preemption are skipped.
         """
-        out = {}
+        out = []
         for i, (rid, first, n) in enumerate(zip(batch.req_ids, batch.num_computed_tokens, batch.num_scheduled_tokens)):
             seq = seqs[rid]
-            num_top = seq.sampling_params.prompt_logprobs
-            if num_top is None:
+            if seq.sampling_params.prompt_logprobs is None:
                 continue
             lo = max(first, len(seq.prompt_logprobs) - 1)
             hi = min(first + n, seq.num_prompt_tokens - 1)
-            if lo >= hi:
-                continue
-            at = int(meta.query_start_loc_cpu[i]) - first
-            # (the model's own method; torch's nn.Module stubs type attributes Tensor | Module)
-            logits = self.model.compute_logits(hidden[at + lo : at + hi]).float()  # type: ignore[operator]
-            out[rid] = (lo + 1, token_logprobs(logits, seq.token_ids[lo + 1 : hi + 1], num_top))
+            if lo < hi:
+                out.append((rid, lo + 1, int(query_start[i]) - first + lo, hi - lo))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(spans, seqs, logits) -> dict[int, tuple[int, list]]:
+        """For requests that asked: (index of the first prompt token scored, entries) for this step's chunk."""
+        out, at = {}, 0
+        for rid, scored, _, n in spans:
+            seq = seqs[rid]
+            ids = seq.token_ids[scored : scored + n]
+            out[rid] = (scored, token_logprobs(logits[at : at + n], ids, seq.sampling_params.prompt_logprobs))
+            at += n
         return out
 
     def _propose(self, batch, seqs, rows, ends, drafts, tokens, input_ids, meta, hidden) -> dict:

@@ -109,6 +109,9 @@ class Proposer:
     # True for a proposer with nothing to keep up to date (no KV layers, no state fed
     # token by token): the runner skips `propose` when no row wants drafts.
     skips_idle_steps: bool = False
+    # True for a proposer that runs no model of its own (n-gram lookup): only rank 0 proposes, so
+    # it runs unchanged under tensor parallel. A draft model would need the other ranks too.
+    supports_tensor_parallel: bool = False
 
     def __init__(self, context: ProposerContext, spec_config: Any):
         self.context = context

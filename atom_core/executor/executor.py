@@ -1,0 +1,141 @@
+"""The boundary between the engine core and the model: one `ModelExecutor` per engine.
+
+`UniProcExecutor` is one rank: the `ModelRunner` in this process. `DistributedExecutor` is
+rank 0 of a tensor-parallel group: its runner schedules nothing, but before each step's model
+runs it sends the step (`step_message.py`) to the other ranks, which run the same model on their
+slices of the weights (`worker.py`); only rank 0 samples, computes log probabilities and
+proposes. How the other ranks start is each subclass's: `MultiprocExecutor` ("mp") starts them
+on this host, `TorchrunExecutor` ("torchrun") finds them started; a plugin registers more under
+"distributed_executors".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import attrs
+import torch
+
+from atom_core.config import Config
+from atom_core.distributed.communication import broadcast_bytes
+from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
+from atom_core.executor.step_message import send_shutdown, send_step
+from atom_core.runner.model_runner import ModelRunner
+from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
+from atom_core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed (or the group is gone): the engine cannot run more steps."""
+
+
+class ModelExecutor:
+    """Runs each scheduled batch on every rank; `runner` is this process's (rank 0's)."""
+
+    runner: ModelRunner
+
+    def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
+        return self.runner.forward(batch, seqs)
+
+    def close(self) -> None:
+        """Stop the other ranks, if any, and leave their group; idempotent."""
+
+
+class UniProcExecutor(ModelExecutor):
+    def __init__(self, config: Config, hf_config: Any):
+        self.runner = ModelRunner(config, hf_config)
+
+
+def config_json(config: Config) -> bytes:
+    """The engine's resolved `Config` as the other ranks receive it (JSON, not pickle)."""
+    return json.dumps(attrs.asdict(config)).encode()
+
+
+def config_from_json(data: bytes) -> Config:
+    return Config(**json.loads(data))
+
+
+def threads_per_rank(ranks_here: int) -> int:
+    """This host's cores shared among its ranks (at least one each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_here)
+
+
+class DistributedExecutor(ModelExecutor):
+    """Rank 0 of `config.tensor_parallel_size` ranks. Subclasses start or find the other ranks and
+    form the group in `join_group`; the rest (the config sent out, each step sent, a failed rank
+    named, the group stopped) is here."""
+
+    def __init__(self, config: Config, hf_config: Any):
+        self.world_size = config.tensor_parallel_size
+        self.failure: str | None = None  # set once a rank failed: the engine runs no more steps
+        self._closed = False
+        self._threads = torch.get_num_threads()
+        try:
+            self.join_group(config)
+            tp = get_tp_group()
+            torch.set_num_threads(threads_per_rank(tp.local_world_size))
+            broadcast_bytes(config_json(config))
+            self.runner = ModelRunner(config, hf_config)
+        except BaseException as e:
+            failure = self.rank_failure()
+            self.close()
+            if failure is not None:
+                raise TensorParallelError(failure) from e
+            raise
+        self.runner.announce = send_step
+        logger.info(
+            "atom: tensor parallel over %d ranks (%s executor), %d threads a rank on this host",
+            self.world_size, config.distributed_executor, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def join_group(self, config: Config) -> None:
+        """Start or find the other ranks and `init_tensor_parallel` as rank 0."""
+        raise NotImplementedError
+
+    def rank_failure(self) -> str | None:
+        """What a failed rank reported (None if none is known to have failed)."""
+        return None
+
+    def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
+        if self.failure is not None:
+            raise TensorParallelError(f"the tensor-parallel group is down: {self.failure}")
+        if self._closed:
+            raise TensorParallelError("the engine is closed")
+        try:
+            return self.runner.forward(batch, seqs)
+        except BaseException as e:
+            # The ranks' collectives no longer line up: stop them all.
+            self.failure = self.rank_failure() or f"rank 0 failed during a step: {type(e).__name__}: {e}"
+            self.close()
+            raise TensorParallelError(self.failure) from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None and get_tp_group().world_size > 1:
+            try:
+                send_shutdown()
+            except Exception:  # a rank already gone: stopped below
+                pass
+        destroy_tensor_parallel()
+        torch.set_num_threads(self._threads)
+        self.stop_ranks()
+
+    def stop_ranks(self) -> None:
+        """Wait for (or end) the ranks this executor started."""
+
+
+def make_executor(config: Config, hf_config: Any) -> ModelExecutor:
+    """One rank: this process's runner. More: the "distributed_executors" class `config` names."""
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config, hf_config)
+    from atom_core.plugins.manager import get_registry
+
+    return get_registry("distributed_executors").get(config.distributed_executor)(config, hf_config)
