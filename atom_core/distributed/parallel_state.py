@@ -31,6 +31,9 @@ class ParallelGroup:
     group: Any = None  # a torch.distributed ProcessGroup for the model's collectives; None for one rank
     control: Any = None  # the same ranks, for the step broadcasts (no timeout)
     local_world_size: int = 1  # ranks on this host, which share its memory and cores
+    # MoE layers give each rank whole experts (`Config.enable_expert_parallel`) instead of a
+    # slice of every expert's intermediate size; set by the model runner before it builds the model.
+    expert_parallel: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -84,6 +87,12 @@ def init_tensor_parallel(
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     _tp = ParallelGroup(rank, world_size, group, control, local)
     return _tp
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """How MoE layers built from now on split their experts (whole experts per rank or not)."""
+    global _tp
+    _tp = attrs.evolve(_tp, expert_parallel=enabled and _tp.world_size > 1)
 
 
 def destroy_tensor_parallel() -> None:

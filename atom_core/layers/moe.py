@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_core.distributed.communication import all_reduce
+from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.cpp import CppKernel
 from atom_core.layers.gemm import StreamingGemm, pick_gemm
 from atom_core.layers.ops import silu_and_mul
@@ -89,17 +91,32 @@ class FusedMoE(nn.Module):
     def out_features(self) -> int:
         return self.hidden_size
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu"):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
+        reduce_results: bool = True,
+    ):  # fmt: skip
         super().__init__()
         if activation != "silu":
             raise ValueError(f"activation {activation!r} is not supported by FusedMoE; only 'silu'")
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        i = intermediate_size
-        # shard -> (parameter, first row, rows): every expert's three tensors must arrive
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size, self.reduce_results = tp.rank, tp.world_size, reduce_results
+        # Tensor parallel: each rank holds every expert's slice of the intermediate size, or
+        # under expert parallel whole experts; either way the ranks' outputs are summed.
+        self.expert_parallel = tp.expert_parallel
+        if self.expert_parallel:
+            self.num_local_experts = divide(num_experts, tp.world_size, "experts")
+            i = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            i = divide(intermediate_size, tp.world_size, "expert intermediate size")
+        self.first_expert = tp.rank * self.num_local_experts if self.expert_parallel else 0
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, i
+        e_local = self.num_local_experts
+        self.w13 = nn.Parameter(torch.empty(e_local, 2 * i, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, i), requires_grad=False)
+        # shard -> (parameter, first row, rows): every local expert's three tensors must arrive
         self.shard_offsets: dict[tuple[str, int], tuple[str, int, int]] = {}
-        for e in range(num_experts):
+        for e in range(self.first_expert, self.first_expert + e_local):
             self.shard_offsets[("gate", e)] = ("w13", 0, i)
             self.shard_offsets[("up", e)] = ("w13", i, i)
             self.shard_offsets[("down", e)] = ("w2", 0, hidden_size)
@@ -120,17 +137,25 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         if shard not in self.shard_offsets:
+            if self.expert_parallel and isinstance(shard, tuple) and 0 <= shard[1] < self.num_experts:
+                return  # another rank's expert
             raise ValueError(f"FusedMoE with {self.num_experts} experts has no shard {shard!r}")
         name, first, rows = self.shard_offsets[shard]
         if param is not getattr(self, name):
             raise ValueError(f"shard {shard!r} belongs to {name!r}, not to the parameter it was sent to")
-        expected = (rows, param.shape[2])
-        if tuple(loaded.shape) != expected:
+        # the whole expert's tensor: gate and up [intermediate, hidden], down [hidden, intermediate]
+        split = 1 if name == "w2" else 0  # the intermediate dimension, sliced per rank
+        whole = [rows, param.shape[2]]
+        whole[split] *= self.tp_size if not self.expert_parallel else 1
+        if list(loaded.shape) != whole:
             raise ValueError(
-                f"expert {shard[1]} {shard[0]} expects shape {expected}, the checkpoint tensor has {tuple(loaded.shape)}"
+                f"expert {shard[1]} {shard[0]} expects shape {tuple(whole)}, the checkpoint tensor has {tuple(loaded.shape)}"
             )
+        if self.tp_size > 1 and not self.expert_parallel:
+            size = param.shape[2] if name == "w2" else rows
+            loaded = loaded.narrow(split, self.tp_rank * size, size)
         with torch.no_grad():
-            param.data[shard[1], first : first + rows].copy_(loaded)
+            param.data[shard[1] - self.first_expert, first : first + rows].copy_(loaded)
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
@@ -174,10 +199,25 @@ class FusedMoE(nn.Module):
         self.w2 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel:  # this rank's experts' assignments, one row each
+            local = topk_ids - self.first_expert
+            mine = (local >= 0) & (local < self.num_local_experts)
+            token_of = mine.nonzero()[:, 0]
+            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            if token_of.numel():
+                rows = self._experts(hidden[token_of], topk_weights[mine].unsqueeze(1), local[mine].unsqueeze(1))
+                out.index_add_(0, token_of, rows.to(torch.float32))
+            out = out.to(hidden.dtype)
+        else:
+            out = self._experts(hidden, topk_weights, topk_ids)
+        return all_reduce(out) if self.reduce_results and self.tp_size > 1 else out
+
+    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum over its experts (ids local to this rank's)."""
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert, tokens in order within one
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()  # the one host sync
         weights = topk_weights.reshape(-1).to(torch.float32)
         if self.packed is not None:  # each token's weighted rows come back summed (in float32)
             x = hidden.to(self.packed[0].dtype).contiguous()

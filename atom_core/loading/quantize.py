@@ -26,6 +26,7 @@ from atom_core.layers.quantized_weight import (
     quantize_int4,
     quantize_int8,
 )
+from atom_core.distributed.parallel_state import get_tp_group
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, checkpoint_target
 from atom_core.loading.gguf.blocks import load_blocks
 
@@ -71,6 +72,12 @@ def quantize_model(model: nn.Module, config: Any) -> None:
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
             return  # not converted from GGUF: the checkpoint's weights as they are
+        ranks = get_tp_group().world_size
+        if ranks > 1:
+            raise ValueError(
+                f"a GGUF file's quantized blocks (quantization='auto') do not split across tensor_parallel_size={ranks} "
+                "ranks yet: use quantization='none' (dequantized), 'int8' or 'int4'"
+            )
         _from_gguf(model, blocks, linears, experts, config)
     else:
         head_mode = config.quantize_lm_head

@@ -18,7 +18,7 @@ import torch
 
 from atom_core.config import Config
 from atom_core.distributed.communication import broadcast_ints
-from atom_core.distributed.parallel_state import get_tp_group
+from atom_core.distributed.parallel_state import get_tp_group, set_expert_parallel
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
@@ -110,6 +110,7 @@ class ModelRunner:
             )
         # A proposer with weights (a draft layer, an EAGLE head) builds them here; its
         # attention layers join the target's below and take KV from the same pool.
+        set_expert_parallel(config.enable_expert_parallel)
         self.model = self._build_model(model_cls)
         if spec:  # verify steps must round as plain decode steps do
             batch_invariant_gemms(self.model)
