@@ -22,11 +22,17 @@ from gguf import Keys
 from torch import nn
 
 from atom_core.layers import (
+    ColumnParallelLinear,
     Linear,
-    MergedLinear,
+    MergedColumnParallelLinear,
     RMSNorm,
+    RowParallelLinear,
+    all_reduce,
     apply_rotary,
     apply_rotary_interleaved,
+    divide,
+    get_tp_group,
+    shard_rows,
 )
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import QWEN_EXPERT_NAMES, FusedMoE, select_experts
@@ -63,20 +69,26 @@ class DeepseekV2Attention(nn.Module):
         super().__init__()
         if getattr(cfg, "attention_bias", False):
             raise ValueError("DeepSeek attention with attention_bias=True is not supported")
-        self.num_heads = h = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        # Tensor parallel splits the heads; the latent (and its cache) is whole on every rank.
+        self.num_heads = h = divide(heads, get_tp_group().world_size, "attention heads")
         self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
         qk = self.nope + self.rope_dim
-        q_out = self.q_lora_rank or h * qk
-        self.qkv_a_proj = MergedLinear(cfg.hidden_size, {"q": q_out, "kv_a": cfg.kv_lora_rank + self.rope_dim})
+        q_out = self.q_lora_rank or heads * qk
+        self.qkv_a_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, {"q": q_out, "kv_a": cfg.kv_lora_rank + self.rope_dim},
+            replicated=("q", "kv_a") if self.q_lora_rank else ("kv_a",),
+        )  # fmt: skip
         if self.q_lora_rank:
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers' default eps for both
-            self.q_b_proj = Linear(self.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         # Plain nn.Linear: MLA reads W_UK / W_UV as views of this weight, never repacked.
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (self.nope + cfg.v_head_dim), bias=False)
-        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        shard_rows(self.kv_b_proj.weight)
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
         self.interleaved = bool(getattr(cfg, "rope_interleave", True))
         self.attn = MLAAttention(
             h, self.nope, self.rope_dim, cfg.v_head_dim, cfg.kv_lora_rank, softmax_scale(cfg), self.kv_b_proj, layer_id
@@ -124,9 +136,14 @@ class DeepseekV2MoE(nn.Module):
         self.n_group, self.topk_group = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
         self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
         self.gate = DeepseekGate(cfg, self.correction_bias)
-        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         shared = getattr(cfg, "n_shared_experts", None)
-        self.shared_experts = LlamaMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared) if shared else None
+        # the routed and shared experts' tensor-parallel parts summed in one all-reduce (`forward`)
+        self.experts = FusedMoE(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, reduce_results=not shared
+        )
+        self.shared_experts = (
+            LlamaMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared, reduce_results=False) if shared else None
+        )
 
     @staticmethod
     def routing_method(cfg: Any) -> str:
@@ -144,7 +161,7 @@ class DeepseekV2MoE(nn.Module):
             correction_bias=getattr(self.gate, "e_score_correction_bias", None),
         )
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else all_reduce(out + self.shared_experts(x))
 
 
 class DeepseekV3MoE(DeepseekV2MoE):

@@ -64,12 +64,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated SiLU feed-forward every family here uses (shared experts and dense layers too)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, reduce_results: bool = True):
+        """`reduce_results=False`: the caller sums the tensor-parallel ranks' outputs (a MoE block's
+        shared expert, in one all-reduce with the routed experts)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=reduce_results)
 
     @classmethod
     def from_config(cls, cfg: Any) -> LlamaMLP:

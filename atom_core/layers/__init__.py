@@ -1,5 +1,12 @@
-"""Torch building blocks that model plugins share (they import torch; `atom_core` does not)."""
+"""Torch building blocks that model plugins share (they import torch; `atom_core` does not).
 
+Tensor parallel (docs/parallel.md): the parallel linears, `vocab_embedding` / `lm_head` /
+`compute_logits`, `shard_rows` for a plain parameter, and the group (`get_tp_group`, `divide`,
+`all_reduce`, `all_gather`); at one rank each is its plain counterpart.
+"""
+
+from atom_core.distributed.communication import all_gather, all_reduce
+from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.attention import Attention
 from atom_core.layers.embed_head import compute_logits, lm_head, vocab_embedding
 from atom_core.layers.linear import (
@@ -9,6 +16,7 @@ from atom_core.layers.linear import (
     MergedLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    shard_rows,
 )
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, register_router, select_experts
@@ -22,7 +30,12 @@ __all__ = [
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
     "RowParallelLinear",
+    "all_gather",
+    "all_reduce",
     "compute_logits",
+    "divide",
+    "get_tp_group",
+    "shard_rows",
     "lm_head",
     "vocab_embedding",
     "FusedMoE",

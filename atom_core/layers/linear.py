@@ -209,24 +209,25 @@ class RowParallelLinear(Linear):
 
 class MergedColumnParallelLinear(MergedLinear):
     """Named shards stacked in one GEMM (gate and up), each split across the ranks: this rank
-    holds its part of every shard, in the same order."""
+    holds its part of every shard, in the same order. Shards named in `replicated` are held
+    whole on every rank (MLA's latent projection beside its per-head queries)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, replicated: tuple[str, ...] = ()):
         tp = get_tp_group()
-        self.tp_rank, self.tp_size = tp.rank, tp.world_size
-        super().__init__(in_features, {k: divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}, bias)
+        self.tp_rank, self.tp_size, self.replicated = tp.rank, tp.world_size, replicated
+        sizes = {k: v if k in replicated else divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}
+        super().__init__(in_features, sizes, bias)
 
     def shard_start(self, shard: str) -> int:
         """Where this rank's part of `shard` starts in the checkpoint tensor."""
-        return self.tp_rank * self.shard_offsets[shard][1]
+        return 0 if shard in self.replicated else self.tp_rank * self.shard_offsets[shard][1]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
         size = self.shard_offsets[shard][1]
         start = self.shard_start(shard)
         if loaded.shape[0] < start + size:
-            raise ValueError(
-                f"shard {shard!r} expects {size * self.tp_size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
-            )
+            whole = size if shard in self.replicated else size * self.tp_size
+            raise ValueError(f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}")
         super().weight_loader(param, loaded.narrow(0, start, size), shard)
 
 
@@ -254,6 +255,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         if shard == "q":
             return self.tp_rank * self.num_heads * self.head_dim
         return (self.tp_rank // self.kv_replicas) * self.num_kv_heads * self.head_dim
+
+
+def shard_rows(param: nn.Parameter) -> None:
+    """Give a plain parameter (not a `Linear`'s) a loader that keeps this rank's equal share of
+    the checkpoint tensor's rows; nothing at one rank."""
+    tp = get_tp_group()
+    if tp.world_size > 1:
+        rows = param.shape[0]
+        param.weight_loader = lambda p, loaded, shard=None: _copy_slice(p, loaded, 0, tp.rank * rows, rows)  # type: ignore[attr-defined]
 
 
 def _split_loader(layer: nn.Module, bias: bool) -> None:

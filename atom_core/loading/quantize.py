@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from atom_core.distributed.parallel_state import get_tp_group
 from atom_core.layers.embedding import (
     QuantizedEmbedding,
     replace_embedding,
@@ -26,7 +27,6 @@ from atom_core.layers.quantized_weight import (
     quantize_int4,
     quantize_int8,
 )
-from atom_core.distributed.parallel_state import get_tp_group
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, checkpoint_target
 from atom_core.loading.gguf.blocks import load_blocks
 
