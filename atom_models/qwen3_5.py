@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.layers import MergedLinear
+from atom_core.layers import MergedColumnParallelLinear, get_tp_group
 from atom_core.plugin_api import SKIP, packed_target
 from atom_models.llama import LlamaForCausalLM, LlamaMLP
 from atom_models.qwen3_next import (
@@ -46,9 +46,12 @@ class Qwen3_5GatedDeltaNet(Qwen3NextGatedDeltaNet):
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__(cfg, layer_id)
         del self.in_proj_qkvz, self.in_proj_ba
-        self.in_proj_qkvzba = MergedLinear(
+        local = {"qkv": self.conv_dim, "z": self.value_dim, "b": self.num_v_heads, "a": self.num_v_heads}
+        ranks = get_tp_group().world_size
+        self.in_proj_qkvzba = MergedColumnParallelLinear(
             cfg.hidden_size,
-            {"qkv": self.conv_dim, "z": self.value_dim, "b": self.num_v_heads, "a": self.num_v_heads},
+            {name: size * ranks for name, size in local.items()},  # the whole layer's, as on disk
+            sections={"qkv": self.qkv_sections},  # q, k and v in one tensor: this rank's heads of each
         )
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

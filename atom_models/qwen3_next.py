@@ -16,7 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_core.layers import Attention, FusedMoE, Linear, MergedLinear, apply_rotary
+from atom_core.layers import (
+    Attention,
+    ColumnParallelLinear,
+    FusedMoE,
+    Linear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    all_reduce,
+    apply_rotary,
+    divide,
+    get_tp_group,
+    shard_rows,
+)
 from atom_core.layers.rotary import rope_parameters
 from atom_core.plugin_api import SKIP, get_forward_context
 from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -79,14 +91,15 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
             cfg.num_experts_per_tok,
             cfg.moe_intermediate_size,
             renormalize=bool(getattr(cfg, "norm_topk_prob", True)),
+            reduce_results=False,  # with the shared expert's, in one all-reduce
         )
-        self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, reduce_results=False)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.shared_expert_gate.quantizable = False  # one output: nothing to gain
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
-        return super().forward(h) + shared
+        return all_reduce(super().forward(h) + shared)
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
@@ -103,12 +116,17 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads={hv} must be a multiple of linear_num_key_heads={hk}")
+        # Tensor parallel: each rank holds whole key-head groups (a key head and its value heads).
+        ranks = get_tp_group().world_size
+        self.num_k_heads = divide(hk, ranks, "linear-attention key heads")
+        self.num_v_heads = hv // ranks
         self.head_k_dim = cfg.linear_key_head_dim
         self.head_v_dim = cfg.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads={self.num_v_heads} must be a multiple of linear_num_key_heads")
+        # the whole layer's q, k and v widths, as the checkpoint stores them
+        self.qkv_sections = [hk * self.head_k_dim, hk * self.head_k_dim, hv * self.head_v_dim]
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported by Qwen3-Next's GDN conv; only 'silu'")
@@ -124,12 +142,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             bias=False,
             padding=self.conv_kernel_size - 1,
         )
-        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.num_v_heads, bias=False)
+        shard_rows(self.conv1d.weight, self.qkv_sections)
+        # grouped per key head on disk, so an even split of the rows is a split by key-head groups
+        self.in_proj_qkvz = ColumnParallelLinear(cfg.hidden_size, ranks * (2 * self.key_dim + 2 * self.value_dim))
+        self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, 2 * hv)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        shard_rows(self.dt_bias)
+        shard_rows(self.A_log)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(ranks * self.value_dim, cfg.hidden_size, bias=False)
         self.impl = None
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
@@ -183,13 +205,14 @@ class Qwen3NextAttention(nn.Module):
 
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
-        self.num_heads = nq = cfg.num_attention_heads
-        self.num_kv_heads = nkv = getattr(cfg, "num_key_value_heads", None) or nq
-        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.rope_dim = partial_rope_dim(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": nq * d * 2, "k": nkv * d, "v": nkv * d}, bias)
-        self.o_proj = Linear(nq * d, cfg.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, bias, q_size_per_head=2 * d)
+        self.num_heads, self.num_kv_heads = nq, nkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(nq, d, d**-0.5, nkv, layer_id, attn_type="mha")

@@ -59,7 +59,11 @@ def broadcast_bytes(data: bytes | None) -> bytes:
         return data
     import torch.distributed as dist
 
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if tp.rank == 0 and data else torch.empty(n, dtype=torch.uint8)
+    t = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if tp.rank == 0 and data
+        else torch.empty(n, dtype=torch.uint8)
+    )
     if n:
         dist.broadcast(t, src=0, group=tp.control)
     return bytes(t.numpy()) if tp.rank else data  # type: ignore[return-value]

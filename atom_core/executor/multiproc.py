@@ -52,7 +52,9 @@ class MultiprocExecutor(DistributedExecutor):
         for rank in range(1, world):
             rank_env = env | {"RANK": str(rank), "ATOM_WORKER_ERROR_FILE": self._error_file(rank)}
             self.processes.append(
-                subprocess.Popen([sys.executable, "-m", "atom_core.executor.worker"], env=rank_env, stdin=subprocess.DEVNULL)
+                subprocess.Popen(
+                    [sys.executable, "-m", "atom_core.executor.worker"], env=rank_env, stdin=subprocess.DEVNULL
+                )
             )
         keys = [READY_KEY.format(rank=r) for r in range(1, world)]
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -60,7 +62,8 @@ class MultiprocExecutor(DistributedExecutor):
             for rank, p in enumerate(self.processes, 1):
                 if p.poll() is not None:
                     raise TensorParallelError(
-                        self.rank_failure() or f"tensor-parallel rank {rank} exited with code {p.returncode} while starting"
+                        self.rank_failure()
+                        or f"tensor-parallel rank {rank} exited with code {p.returncode} while starting"
                     )
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -80,7 +83,9 @@ class MultiprocExecutor(DistributedExecutor):
             except subprocess.TimeoutExpired:
                 continue
             if p.returncode:
-                return read_error(self._error_file(rank)) or f"tensor-parallel rank {rank} exited with code {p.returncode}"
+                return (
+                    read_error(self._error_file(rank)) or f"tensor-parallel rank {rank} exited with code {p.returncode}"
+                )
         return None
 
     def stop_ranks(self) -> None:

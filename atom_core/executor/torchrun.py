@@ -28,7 +28,9 @@ class TorchrunExecutor(DistributedExecutor):
         if int(os.environ["RANK"]) != 0:  # this rank is a worker: serve rank 0, then end with it
             from atom_core.executor.worker import run_worker
 
-            os.environ.setdefault("ATOM_DISTRIBUTED_BACKEND", resolve_backend(config.distributed_backend, config.device))
+            os.environ.setdefault(
+                "ATOM_DISTRIBUTED_BACKEND", resolve_backend(config.distributed_backend, config.device)
+            )
             os.environ.setdefault("ATOM_DISTRIBUTED_TIMEOUT", str(config.distributed_timeout))
             sys.exit(run_worker())
         super().__init__(config, hf_config)

@@ -212,9 +212,15 @@ class MergedColumnParallelLinear(MergedLinear):
     holds its part of every shard, in the same order. Shards named in `replicated` are held
     whole on every rank (MLA's latent projection beside its per-head queries)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, replicated: tuple[str, ...] = ()):
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool = False, replicated: tuple[str, ...] = (),
+        sections: dict[str, list[int]] | None = None,
+    ):  # fmt: skip
+        """`sections`: a shard made of consecutive parts split each on its own (Qwen3.5's one
+        `qkv` tensor of q, k and v: this rank keeps its heads of each)."""
         tp = get_tp_group()
         self.tp_rank, self.tp_size, self.replicated = tp.rank, tp.world_size, replicated
+        self.sections = sections or {}
         sizes = {k: v if k in replicated else divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}
         super().__init__(in_features, sizes, bias)
 
@@ -223,11 +229,15 @@ class MergedColumnParallelLinear(MergedLinear):
         return 0 if shard in self.replicated else self.tp_rank * self.shard_offsets[shard][1]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        if shard in self.sections:
+            return MergedLinear.weight_loader(self, param, rank_sections(loaded, self.sections[shard]), shard)
         size = self.shard_offsets[shard][1]
         start = self.shard_start(shard)
         if loaded.shape[0] < start + size:
             whole = size if shard in self.replicated else size * self.tp_size
-            raise ValueError(f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
+            )
         super().weight_loader(param, loaded.narrow(0, start, size), shard)
 
 
@@ -235,8 +245,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections split by heads. With more ranks than KV heads each KV head is
     replicated on `tp_size // num_kv_heads` ranks (vLLM's `QKVParallelLinear`)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+        q_size_per_head: int | None = None,
+    ):  # fmt: skip
+        """`q_size_per_head`: a query head's rows when they hold more than `head_dim` (Qwen3-Next's
+        query and output gate side by side per head)."""
         tp = get_tp_group()
+        self.q_size_per_head = q_size_per_head or head_dim
         self.num_heads = divide(num_heads, tp.world_size, "attention heads")
         if tp.world_size >= num_kv_heads:
             if tp.world_size % num_kv_heads:
@@ -247,23 +263,43 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         else:
             self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp.world_size, "KV heads"), 1
         self.head_dim = head_dim
-        sizes = {"q": self.num_heads * head_dim, "k": self.num_kv_heads * head_dim, "v": self.num_kv_heads * head_dim}
+        q = self.num_heads * self.q_size_per_head
+        sizes = {"q": q, "k": self.num_kv_heads * head_dim, "v": self.num_kv_heads * head_dim}
         # the whole sizes, which MergedColumnParallelLinear divides again by the ranks
         super().__init__(hidden_size, {k: v * tp.world_size for k, v in sizes.items()}, bias)
 
     def shard_start(self, shard: str) -> int:
         if shard == "q":
-            return self.tp_rank * self.num_heads * self.head_dim
+            return self.tp_rank * self.num_heads * self.q_size_per_head
         return (self.tp_rank // self.kv_replicas) * self.num_kv_heads * self.head_dim
 
 
-def shard_rows(param: nn.Parameter) -> None:
-    """Give a plain parameter (not a `Linear`'s) a loader that keeps this rank's equal share of
-    the checkpoint tensor's rows; nothing at one rank."""
+def rank_sections(loaded: torch.Tensor, sections: list[int]) -> torch.Tensor:
+    """This rank's equal share of each consecutive part of `loaded`'s rows (sizes `sections`), joined."""
     tp = get_tp_group()
-    if tp.world_size > 1:
-        rows = param.shape[0]
-        param.weight_loader = lambda p, loaded, shard=None: _copy_slice(p, loaded, 0, tp.rank * rows, rows)  # type: ignore[attr-defined]
+    if sum(sections) != loaded.shape[0]:
+        raise ValueError(f"expects {sum(sections)} rows ({' + '.join(map(str, sections))}), got {tuple(loaded.shape)}")
+    parts, start = [], 0
+    for size in sections:
+        share = divide(size, tp.world_size, "a tensor-parallel section's rows")
+        parts.append(loaded.narrow(0, start + tp.rank * share, share))
+        start += size
+    return torch.cat(parts)
+
+
+def shard_rows(param: nn.Parameter, sections: list[int] | None = None) -> None:
+    """Give a plain parameter (not a `Linear`'s) a loader that keeps this rank's equal share of
+    the checkpoint tensor's rows, or of each of its consecutive `sections`; nothing at one rank."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return
+    whole = sections or [param.shape[0] * tp.world_size]
+
+    def load(p: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
+        with torch.no_grad():
+            p.data.copy_(rank_sections(loaded, whole))
+
+    param.weight_loader = load  # type: ignore[attr-defined]
 
 
 def _split_loader(layer: nn.Module, bias: bool) -> None:
