@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
     gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks to split the model across (default 1)")
+    gen.add_argument(
+        "--enable-expert-parallel", action="store_true", default=None, help="MoE: whole experts per rank"
+    )
+    gen.add_argument("--distributed-executor", default=None, help="mp (the default), torchrun, or a plugin's")
     gen.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -86,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)",
     )
+
+    worker = sub.add_parser(
+        "worker",
+        help="a tensor-parallel rank other than 0 under torchrun (rank 0 runs the engine with "
+        "--distributed-executor torchrun); its config comes from rank 0",
+    )
+    worker.add_argument(
+        "--model", default=None, help="the model folder on this host, if not where rank 0 has it (default: rank 0's)"
+    )
+    worker.add_argument("--distributed-backend", default="auto", help="as rank 0's: auto (gloo on CPU), gloo, nccl")
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (POST /v1/completions, /v1/chat/completions)")
     serve.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: SmolLM2)")
@@ -135,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels,
-            "serve": _serve, "chat": _chat, "bench": _bench,
+            "serve": _serve, "chat": _chat, "bench": _bench, "worker": _worker,
         }  # fmt: skip
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
@@ -174,6 +189,15 @@ def config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
 
     names = {f.name for f in attrs.fields(Config)} - {"model"}
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from atom_core.executor.worker import run_worker
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError("atom worker runs under torchrun (it reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+    os.environ.setdefault("ATOM_DISTRIBUTED_BACKEND", args.distributed_backend)
+    return run_worker(args.model)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -314,6 +338,9 @@ def _generate(args: argparse.Namespace) -> int:
         "speculative_config",
         "sampler",
         "additional_config",
+        "tensor_parallel_size",
+        "enable_expert_parallel",
+        "distributed_executor",
     ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
@@ -328,15 +355,15 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
-    engine = LLMEngine(args.model, **options)
-    prompts = args.prompts or list(DEFAULT_PROMPTS)
-    chat = not args.no_chat and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
-    inputs = [engine.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    if len(prompts) == 1:
-        _stream(engine, inputs[0], params)
-        return 0
-    for prompt, result in zip(prompts, engine.generate(inputs, params, use_tqdm=sys.stderr.isatty())):
-        print(f"> {prompt}\n{result['text'].strip()}\n")
+    with LLMEngine(args.model, **options) as engine:
+        prompts = args.prompts or list(DEFAULT_PROMPTS)
+        chat = not args.no_chat and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
+        inputs = [engine.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+        if len(prompts) == 1:
+            _stream(engine, inputs[0], params)
+            return 0
+        for prompt, result in zip(prompts, engine.generate(inputs, params, use_tqdm=sys.stderr.isatty())):
+            print(f"> {prompt}\n{result['text'].strip()}\n")
     return 0
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import attrs
 import torch
 
 from atom_core.config import Config
-from atom_core.distributed.communication import broadcast_bytes
+from atom_core.distributed.communication import all_gather, broadcast_bytes
 from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
 from atom_core.executor.step_message import send_shutdown, send_step
 from atom_core.runner.model_runner import ModelRunner
@@ -60,10 +59,19 @@ def config_from_json(data: bytes) -> Config:
     return Config(**json.loads(data))
 
 
+def gather_pool_sizes(runner: ModelRunner) -> list[tuple[int, int]]:
+    """(KV blocks, bytes of KV and state) of every rank's pool, in rank order: each rank calls it
+    once its runner is built, and rank 0 checks they agree."""
+    nbytes = sum(t.nbytes for t in runner.kv_cache_tensors.values())
+    nbytes += sum(t.nbytes for t in runner.per_req_cache_tensors.values())
+    mine = torch.tensor([[runner.kv_plan.num_blocks, nbytes]], dtype=torch.int64)
+    return [(int(b), int(n)) for b, n in all_gather(mine, dim=0).tolist()]
+
+
 def threads_per_rank(ranks_here: int) -> int:
-    """This host's cores shared among its ranks (at least one each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // ranks_here)
+    """This process's torch threads (all cores, or an engine core's share under data parallel, or
+    what torchrun's OMP_NUM_THREADS says) shared among the ranks on this host, at least one each."""
+    return max(1, torch.get_num_threads() // ranks_here)
 
 
 class DistributedExecutor(ModelExecutor):
@@ -82,6 +90,10 @@ class DistributedExecutor(ModelExecutor):
             torch.set_num_threads(threads_per_rank(tp.local_world_size))
             broadcast_bytes(config_json(config))
             self.runner = ModelRunner(config, hf_config)
+            # each rank's (blocks, bytes): every rank allocated rank 0's block count
+            self.rank_pools = gather_pool_sizes(self.runner)
+            if len({blocks for blocks, _ in self.rank_pools}) != 1:
+                raise TensorParallelError(f"the ranks' KV pools disagree: (blocks, bytes) per rank {self.rank_pools}")
         except BaseException as e:
             failure = self.rank_failure()
             self.close()

@@ -70,16 +70,16 @@ def run_worker(model: str | None = None) -> int:
 
         from atom_core.distributed.communication import broadcast_bytes
         from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
-        from atom_core.executor.executor import config_from_json, threads_per_rank
+        from atom_core.executor.executor import config_from_json, gather_pool_sizes, threads_per_rank
         from atom_core.executor.step_message import recv_step
         from atom_core.loading.hf_config import read_hf_config
         from atom_core.runner.model_runner import ModelRunner
 
         backend = os.environ.get("ATOM_DISTRIBUTED_BACKEND", "auto")
         timeout_s = float(os.environ.get("ATOM_DISTRIBUTED_TIMEOUT", "300"))
+        threads = int(os.environ.get("ATOM_WORKER_THREADS", 0))  # rank 0's share, from the "mp" executor
         join(rank, int(os.environ["WORLD_SIZE"]), backend, timeout_s)
-        threads = int(os.environ.get("ATOM_WORKER_THREADS", 0)) or threads_per_rank(get_tp_group().local_world_size)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or threads_per_rank(get_tp_group().local_world_size))
         config = config_from_json(broadcast_bytes(None))
         if model is not None:
             import attrs
@@ -87,6 +87,7 @@ def run_worker(model: str | None = None) -> int:
             config = attrs.evolve(config, model=model)
         assert config.model is not None
         runner = ModelRunner(config, read_hf_config(config.model))
+        gather_pool_sizes(runner)  # rank 0 checks every rank's pool
         while (step := recv_step()) is not None:
             runner.execute_model(step)
         destroy_tensor_parallel()

@@ -223,6 +223,7 @@ class MergedColumnParallelLinear(MergedLinear):
         self.sections = sections or {}
         sizes = {k: v if k in replicated else divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}
         super().__init__(in_features, sizes, bias)
+        self.whole_sizes = dict(shards)  # each shard's rows in the checkpoint
 
     def shard_start(self, shard: str) -> int:
         """Where this rank's part of `shard` starts in the checkpoint tensor."""
@@ -232,12 +233,10 @@ class MergedColumnParallelLinear(MergedLinear):
         if shard in self.sections:
             return MergedLinear.weight_loader(self, param, rank_sections(loaded, self.sections[shard]), shard)
         size = self.shard_offsets[shard][1]
+        whole = self.whole_sizes[shard]
+        if loaded.shape[0] != whole:
+            raise ValueError(f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}")
         start = self.shard_start(shard)
-        if loaded.shape[0] < start + size:
-            whole = size if shard in self.replicated else size * self.tp_size
-            raise ValueError(
-                f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
-            )
         super().weight_loader(param, loaded.narrow(0, start, size), shard)
 
 
@@ -267,6 +266,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = {"q": q, "k": self.num_kv_heads * head_dim, "v": self.num_kv_heads * head_dim}
         # the whole sizes, which MergedColumnParallelLinear divides again by the ranks
         super().__init__(hidden_size, {k: v * tp.world_size for k, v in sizes.items()}, bias)
+        self.whole_sizes.update(k=num_kv_heads * head_dim, v=num_kv_heads * head_dim)
 
     def shard_start(self, shard: str) -> int:
         if shard == "q":
@@ -312,10 +312,10 @@ def _split_loader(layer: nn.Module, bias: bool) -> None:
 
 
 def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:
-    if loaded.shape[dim] < start + size:
+    if loaded.shape[dim] != param.shape[dim] * get_tp_group().world_size or loaded.dim() != param.dim():
         raise ValueError(
-            f"a tensor-parallel slice [{start}, {start + size}) of dimension {dim} does not fit the checkpoint "
-            f"tensor's shape {tuple(loaded.shape)}"
+            f"the checkpoint tensor's shape {tuple(loaded.shape)} is not {tuple(param.shape)} split "
+            f"{get_tp_group().world_size} ways along dimension {dim}"
         )
     with torch.no_grad():
         param.data.copy_(loaded.narrow(dim, start, size))
