@@ -50,6 +50,10 @@ class InProcessPlugin:
     def atom_register_structured_output_backends(self, registry):
         registry.register("inproc", "tests.test_plugins:Constant")
 
+    @hookimpl
+    def atom_register_distributed_executors(self, registry):
+        registry.register("inproc", Constant)
+
 
 class Constant:
     pass
@@ -82,6 +86,8 @@ def test_in_process_plugin_adds_every_kind(plugin_manager, monkeypatch):
     assert get_registry("samplers").get("constant") is Constant
     assert get_registry("proposers").get("noop") is Constant
     assert get_registry("gguf_architectures").get("example") is Constant
+    assert get_registry("distributed_executors").get("inproc") is Constant
+    assert {"mp", "torchrun"} <= set(get_registry("distributed_executors").names())
     assert declared_kernels()["example"] is EXAMPLE_KERNEL and "cpu_ops" in declared_kernels()
 
 

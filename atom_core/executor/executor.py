@@ -95,7 +95,10 @@ class DistributedExecutor(ModelExecutor):
             if len({blocks for blocks, _ in self.rank_pools}) != 1:
                 raise TensorParallelError(f"the ranks' KV pools disagree: (blocks, bytes) per rank {self.rank_pools}")
         except BaseException as e:
-            failure = self.rank_failure()
+            # A setting the model refuses fails every rank alike: rank 0's own error says it.
+            # Anything else may be another rank's failure seen through a collective.
+            failure = None if isinstance(e, (ValueError, TypeError)) else self.rank_failure()
+            self.failure = failure or f"rank 0 failed while starting: {type(e).__name__}: {e}"
             self.close()
             if failure is not None:
                 raise TensorParallelError(failure) from e

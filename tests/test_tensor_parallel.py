@@ -1,0 +1,271 @@
+"""Tensor and expert parallel at 2 ranks: gloo on loopback, one thread a rank, the "mp" executor
+(rank 0 is this process, rank 1 a worker it starts).
+
+Greedy tokens equal 1 rank's and transformers', logits within 1e-4 of 1 rank's, with chunked
+prefill and prefix caching on, for every family's way of splitting: attention heads (and one KV
+head, replicated), MoE experts' intermediate size or whole experts (expert parallel), MLA by
+heads with the latent whole, GDN by key-head groups. Also: each rank's parameters are the
+checkpoint's expected slices; both ranks' pools hold the same blocks and half the bytes; a rank
+that raises mid-step fails the engine within seconds and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.multiprocessing as mp  # noqa: E402
+from model_utils import build_tiny_model, check_against_hf, random_prompts, run_with_logits  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.executor.executor import TensorParallelError  # noqa: E402
+
+TESTS = Path(__file__).parent
+ENGINE = dict(
+    dtype="float32", num_kvcache_blocks=64, max_model_len=256, enable_prefix_caching=True, max_num_batched_tokens=32
+)
+# case -> (tiny architecture, extra engine settings)
+CASES = {
+    "llama": ("llama", {}),  # 4 heads and 2 KV heads: both split
+    "llama-one-kv-head": ("llama_tied_rope3", {}),  # 1 KV head, replicated; tied embedding
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {}),  # each expert's intermediate size split
+    "qwen3_moe-expert-parallel": ("qwen3_moe", {"enable_expert_parallel": True}),  # 4 whole experts a rank
+    "mixtral": ("mixtral", {}),
+    "deepseek_v3": ("deepseek_v3", {}),  # MLA by heads; routed and shared experts in one all-reduce
+    "qwen3_next": ("qwen3_next", {}),  # GDN by key-head groups, gated attention, shared expert
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # each of the 2 ranks takes half: one thread a rank
+    yield
+    torch.set_num_threads(threads)
+
+
+def waves() -> tuple[list[list[int]], list[list[int]]]:
+    """Five prompts (one longer than a step's 32 tokens: chunked), then three that share 48 and
+    64 tokens with them, which the prefix cache serves."""
+    first = random_prompts((1, 15, 17, 40, 70))
+    tails = random_prompts((5, 9, 2), seed=2)
+    return first, [first[4][:48] + tails[0], first[4][:64] + tails[1], first[3] + tails[2]]
+
+
+def run(engine, prompts_waves):
+    results, logits = [], []
+    for prompts in prompts_waves:
+        r, lg = run_with_logits(engine, prompts)
+        results += r
+        logits += lg
+    return results, logits
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_rank_and_transformers(case, tmp_path_factory):
+    arch, extra = CASES[case]
+    folder = tmp_path_factory.mktemp(arch)
+    model = build_tiny_model(arch, folder)
+    prompts = waves()
+    one = LLMEngine(folder, **ENGINE)
+    expected, expected_logits = run(one, prompts)
+    with LLMEngine(folder, tensor_parallel_size=2, **ENGINE, **extra) as two:
+        results, logits = run(two, prompts)
+        assert two.scheduler.block_manager.num_free_blocks == one.scheduler.block_manager.num_free_blocks
+    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected]
+    cached = [r["num_cached_tokens"] for r in results]
+    assert cached == [r["num_cached_tokens"] for r in expected] and any(cached[5:]), cached
+    for got, want in zip(logits, expected_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    check_against_hf(model, prompts[0] + prompts[1], results, logits)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    return folder, build_tiny_model("llama", folder)
+
+
+def test_both_ranks_hold_the_same_blocks_and_half_the_bytes(llama):
+    folder, _ = llama
+    one = LLMEngine(folder, **ENGINE)
+    whole = sum(t.nbytes for t in one.runner.kv_cache_tensors.values())
+    with LLMEngine(folder, tensor_parallel_size=2, **ENGINE) as two:
+        assert two.core.executor.rank_pools == [(64, whole // 2), (64, whole // 2)]
+    # Sized from a byte budget: per rank, so twice the blocks of one rank's pool (2 of 4 KV heads)
+    budget = dict(ENGINE, num_kvcache_blocks=None, kv_cache_memory=whole)
+    with LLMEngine(folder, tensor_parallel_size=2, **budget) as two:
+        [(blocks, nbytes), other] = two.core.executor.rank_pools
+        assert other == (blocks, nbytes) and two.kv_plan.num_blocks == blocks
+        assert blocks >= 2 * 64  # (plus the null block past the pool, as at one rank)
+
+
+def _load_rank(rank: int, rendezvous: str, folder: str, out: str) -> None:
+    """One rank of the shard test: build and load the model as a runner would, save its parameters."""
+    from atom_core.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from atom_core.loading.checkpoint import load_model_weights
+    from atom_core.loading.hf_config import read_hf_config
+    from atom_models.llama import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, 2, init_method=rendezvous, backend="gloo", timeout_s=60)
+    try:
+        model = LlamaForCausalLM(read_hf_config(folder))
+        load_model_weights(model, folder)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.safetensors")
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_each_rank_holds_its_slices_and_they_make_the_whole(llama, tmp_path):
+    folder, hf = llama
+    mp.start_processes(
+        _load_rank, args=(f"file://{tmp_path / 'rendezvous'}", str(folder), str(tmp_path)), nprocs=2, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    ckpt = {k: v for k, v in hf.state_dict().items()}
+    d = hf.config.head_dim
+    q, kv = 2 * d, 1 * d  # per rank: 2 of 4 query heads, 1 of 2 KV heads
+
+    def rows(t, r, n):
+        return t[r * n : (r + 1) * n]
+
+    for r, params in enumerate(ranks):
+        for name, got in params.items():
+            if ".qkv_proj." in name:
+                base = name.replace("qkv_proj.weight", "")
+                want = torch.cat([
+                    rows(ckpt[base + "q_proj.weight"], r, q), rows(ckpt[base + "k_proj.weight"], r, kv),
+                    rows(ckpt[base + "v_proj.weight"], r, kv),
+                ])  # fmt: skip
+            elif ".gate_up_proj." in name:
+                base = name.replace("gate_up_proj.weight", "")
+                n = hf.config.intermediate_size // 2
+                want = torch.cat([rows(ckpt[base + "gate_proj.weight"], r, n), rows(ckpt[base + "up_proj.weight"], r, n)])
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):  # columns
+                whole = ckpt[name]
+                n = whole.shape[1] // 2
+                want = whole[:, r * n : (r + 1) * n]
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):  # the vocabulary's rows
+                want = rows(ckpt[name], r, hf.config.vocab_size // 2)
+            else:  # norms: whole on every rank
+                want = ckpt[name]
+            assert torch.equal(got, want), (r, name)
+    # put together, the shards give the whole weights
+    for name in ("lm_head.weight", "model.layers.1.self_attn.o_proj.weight"):
+        dim = 0 if name.startswith("lm_head") else 1
+        assert torch.equal(torch.cat([ranks[0][name], ranks[1][name]], dim=dim), ckpt[name])
+
+
+def test_a_rank_that_raises_fails_the_engine_and_leaves_no_process(llama, tmp_path, monkeypatch):
+    from tp_fault_plugin import FAULT_TOKEN
+
+    folder, _ = llama
+    faulty = tmp_path / "faulty"
+    shutil.copytree(folder, faulty)
+    config = json.loads((faulty / "config.json").read_text())
+    config["architectures"] = ["FaultyRankLlamaForCausalLM"]
+    (faulty / "config.json").write_text(json.dumps(config))
+    # the worker rank loads the plugin from the environment; this process registers it itself
+    monkeypatch.setenv("ATOM_PLUGINS", "tp_fault_plugin")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    import tp_fault_plugin
+
+    from atom_core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    pm.register(tp_fault_plugin)
+    try:
+        engine = LLMEngine(faulty, tensor_parallel_size=2, **ENGINE)
+        workers = engine.core.executor.processes
+        assert len(workers) == 1 and workers[0].poll() is None
+        from atom_core import SamplingParams
+
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        assert len(engine.generate([[1, 2, 3]], params)[0]["token_ids"]) == 4  # healthy first
+        engine.add_request([FAULT_TOKEN] * 3, params)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 failed: RuntimeError: injected fault"):
+            engine.step()
+        assert time.monotonic() - start < 15
+        assert workers[0].poll() is not None  # no process left behind
+        results = engine.step()  # the failed step's request ends with "error"; nothing else runs
+        assert [r["finish_reason"] for r in results] == ["error"]
+        engine.add_request([1, 2], params)
+        with pytest.raises(TensorParallelError, match="the tensor-parallel group is down"):
+            engine.step()
+        engine.close()
+    finally:
+        pm.unregister(tp_fault_plugin)
+    # a second engine in the same process forms its own group
+    with LLMEngine(folder, tensor_parallel_size=2, **ENGINE) as again:
+        assert len(again.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]["token_ids"]) == 3
+        worker = again.core.executor.processes[0]
+    assert worker.poll() == 0  # closing ends the worker cleanly
+
+
+def test_a_split_that_does_not_divide_is_named_before_any_weight_loads(tmp_path):
+    folder = tmp_path / "odd"
+    build_tiny_model("llama", folder, num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
+    with pytest.raises(ValueError, match="attention heads: 3 does not divide among 2 tensor-parallel ranks"):
+        LLMEngine(folder, tensor_parallel_size=2, **ENGINE)
+
+
+def test_a_draft_model_is_refused_by_name_and_ngram_runs(llama):
+    folder, _ = llama
+    with pytest.raises(ValueError, match="method=.mtp. runs a draft model"):
+        LLMEngine(folder, tensor_parallel_size=2, speculative_config={"method": "mtp"}, **ENGINE)
+    prompts = random_prompts((20, 33, 7), seed=3)
+    from atom_core import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLMEngine(folder, **ENGINE).generate(prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": 0}
+    with LLMEngine(folder, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as two:
+        assert [r["token_ids"] for r in two.generate(prompts, params)] == [r["token_ids"] for r in plain]
+        assert two.get_spec_stats()["num_draft_tokens"] > 0
+
+
+def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path):
+    """Two `torchrun --nnodes 2` commands on loopback: node 0 runs the engine, node 1 `atom worker`."""
+    import socket
+    import subprocess
+
+    folder, _ = llama
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, sys\n"
+        "from atom_core import SamplingParams\n"
+        "from atom_core.engine.llm_engine import LLMEngine\n"
+        f"with LLMEngine({str(folder)!r}, tensor_parallel_size=2, distributed_executor='torchrun', **{ENGINE!r}) as e:\n"
+        "    out = e.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
+        "print('TOKENS', json.dumps([r['token_ids'] for r in out]))\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    atom = [sys.executable, "-m", "atom_core.cli", "worker"]
+    node1 = subprocess.Popen(torchrun + ["--node-rank", "1", "--no-python"] + atom, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    node0 = subprocess.run(torchrun + ["--node-rank", "0", str(script)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    log1, _ = node1.communicate(timeout=60)
+    assert node0.returncode == 0, node0.stdout + node0.stderr + log1
+    assert node1.returncode == 0, log1
+    [line] = [x for x in node0.stdout.splitlines() if x.startswith("TOKENS")]
+    from atom_core import SamplingParams
+
+    one = LLMEngine(folder, **ENGINE).generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert json.loads(line.removeprefix("TOKENS ")) == [r["token_ids"] for r in one]
