@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 16384)")
     gen.add_argument("--sampler", default=None, help="a samplers registry name (default: 'default'), e.g. a plugin's")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the model's chat template")
-    gen.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks to split the model across (default 1)")
     gen.add_argument(
-        "--enable-expert-parallel", action="store_true", default=None, help="MoE: whole experts per rank"
+        "--tensor-parallel-size", type=int, default=None, help="ranks to split the model across (default 1)"
     )
+    gen.add_argument("--enable-expert-parallel", action="store_true", default=None, help="MoE: whole experts per rank")
     gen.add_argument("--distributed-executor", default=None, help="mp (the default), torchrun, or a plugin's")
     gen.add_argument(
         "--speculative-config",

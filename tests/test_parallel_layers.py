@@ -138,3 +138,29 @@ def test_a_backend_name_is_checked():
     assert parallel_state.resolve_backend("auto", "cuda:0") == "nccl"
     with pytest.raises(ValueError, match="distributed_backend must be 'auto' or one of gloo, nccl, mpi, got 'tcp'"):
         parallel_state.resolve_backend("tcp", "cpu")
+
+
+def test_a_split_parameter_reads_only_its_part_of_the_checkpoint(monkeypatch, tmp_path):
+    """The loader hands split parameters a `CheckpointSlice` (safetensors' `get_slice`): rank 1 of 2
+    reads its rows and columns, never the whole tensor; a shape that does not fit is named."""
+    from safetensors.torch import save_file
+
+    from atom_core.layers.checkpoint_slice import CheckpointSlice
+    from atom_core.loading.checkpoint import load_model_weights
+
+    monkeypatch.setattr(parallel_state, "_tp", ParallelGroup(rank=1, world_size=2))
+    model = torch.nn.Module()
+    model.col, model.row = ColumnParallelLinear(8, 6), RowParallelLinear(6, 8)
+    col, row = torch.randn(6, 8), torch.randn(8, 6)
+    save_file({"col.weight": col, "row.weight": row}, str(tmp_path / "model.safetensors"))
+    reads = []
+    narrow = CheckpointSlice.narrow
+    monkeypatch.setattr(CheckpointSlice, "narrow", lambda self, *a: reads.append(a) or narrow(self, *a))
+    load_model_weights(model, tmp_path)
+    assert torch.equal(model.col.weight, col[3:]) and torch.equal(model.row.weight, row[:, 3:])
+    assert reads == [(0, 3, 3), (1, 3, 3)]
+    save_file({"col.weight": torch.randn(7, 8), "row.weight": row}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"'col.weight'.*shape \(7, 8\) is not \(3, 8\) split 2 ways along dimension 0"
+    ):
+        load_model_weights(model, tmp_path)

@@ -152,7 +152,9 @@ def test_each_rank_holds_its_slices_and_they_make_the_whole(llama, tmp_path):
             elif ".gate_up_proj." in name:
                 base = name.replace("gate_up_proj.weight", "")
                 n = hf.config.intermediate_size // 2
-                want = torch.cat([rows(ckpt[base + "gate_proj.weight"], r, n), rows(ckpt[base + "up_proj.weight"], r, n)])
+                want = torch.cat(
+                    [rows(ckpt[base + "gate_proj.weight"], r, n), rows(ckpt[base + "up_proj.weight"], r, n)]
+                )
             elif name.endswith(("o_proj.weight", "down_proj.weight")):  # columns
                 whole = ckpt[name]
                 n = whole.shape[1] // 2
@@ -267,5 +269,46 @@ def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path)
     [line] = [x for x in node0.stdout.splitlines() if x.startswith("TOKENS")]
     from atom_core import SamplingParams
 
-    one = LLMEngine(folder, **ENGINE).generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    one = LLMEngine(folder, **ENGINE).generate(
+        [[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
     assert json.loads(line.removeprefix("TOKENS ")) == [r["token_ids"] for r in one]
+
+
+def test_serve_with_two_engine_cores_of_two_ranks_each(tmp_path):
+    """Data parallel composes: `atom serve --data-parallel-size 2 --tensor-parallel-size 2` runs 2
+    engine cores of 2 ranks each, answers as one offline rank does, and leaves no rank behind."""
+    import subprocess
+
+    import httpx
+    from test_serve import start_server, stop_server
+
+    from atom_core import SamplingParams
+    from atom_core.engine.fetch import fetch_default_model
+
+    folder = tmp_path / "llama"
+    build_tiny_model("llama", folder, vocab_size=49152)  # SmolLM2's vocabulary, for its tokenizer
+    for f in fetch_default_model().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    prompts = ["Once upon a time", "The sea is", "1, 2, 3,", "My favourite colour is"]
+    want = LLMEngine(folder, **ENGINE).generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    proc, url = start_server(str(folder), "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                             "--num-kvcache-blocks", "64", "--max-model-len", "256")  # fmt: skip
+    try:
+        got = [
+            httpx.post(
+                f"{url}/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0}, timeout=120
+            ).json()["choices"][0]["text"]
+            for p in prompts
+        ]
+        pids = subprocess.run(
+            ["pgrep", "-f", "atom_core.executor.worker"], capture_output=True, text=True
+        ).stdout.split()
+    finally:
+        stop_server(proc)
+    assert got == [w["text"] for w in want]
+    assert len(pids) >= 2  # a worker rank in each engine core
+    time.sleep(1)
+    alive = subprocess.run(["pgrep", "-f", "atom_core.executor.worker"], capture_output=True, text=True).stdout.split()
+    assert not set(pids) & set(alive)

@@ -3,9 +3,24 @@
 
 from __future__ import annotations
 
+import time
+
+import attrs
 import torch
 
 from atom_core.distributed.parallel_state import get_tp_group
+
+
+@attrs.define
+class CollectiveStats:
+    """The model's collectives this process ran, and the seconds it spent in them (waiting for the
+    slowest rank included): what benchmarks/parallel.py reports per step."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+collective_stats = CollectiveStats()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +30,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
+    start = time.perf_counter()
     dist.all_reduce(x, group=tp.group)
+    _count(start)
     return x
 
 
@@ -26,9 +43,16 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
+    start = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(tp.world_size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
+    _count(start)
     return torch.cat(parts, dim=dim)
+
+
+def _count(start: float) -> None:
+    collective_stats.calls += 1
+    collective_stats.seconds += time.perf_counter() - start
 
 
 def broadcast_ints(values: list[int] | None, length: int) -> list[int]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from atom_core.distributed.communication import all_gather, all_reduce
 from atom_core.distributed.parallel_state import get_tp_group
+from atom_core.layers.checkpoint_slice import reads_slices
 from atom_core.layers.linear import Linear
 
 
@@ -33,7 +34,7 @@ def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, num_embeddings: i
     if loaded.shape[0] != num_embeddings:
         raise ValueError(f"the vocabulary has {num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}")
     with torch.no_grad():
-        param.data[:rows].copy_(loaded[start : start + rows])
+        param.data[:rows].copy_(loaded.narrow(0, start, rows))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,6 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.rows, per_rank = vocab_range(num_embeddings)
         self.weight = nn.Parameter(torch.zeros(per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        reads_slices(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         load_vocab_rows(param, loaded, self.num_embeddings, self.start, self.rows)
@@ -69,9 +71,9 @@ class ParallelLMHead(Linear):
             if bias:
                 self.bias.zero_()
         self.is_lm_head = True
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        for param in self.parameters():
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            reads_slices(param)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         load_vocab_rows(param, loaded, self.num_embeddings, self.start, self.rows)

@@ -22,6 +22,7 @@ from torch import nn
 from atom_core.distributed.communication import all_reduce
 from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.argmax_screen import ArgmaxScreen, screen_lm_head
+from atom_core.layers.checkpoint_slice import materialize, reads_slices
 from atom_core.layers.embedding import LookupEmbedding, replace_embedding, tied_embeddings
 from atom_core.layers.gemm import Gemm, StreamingGemm, gemv_rows, pick_gemm
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
@@ -197,7 +198,7 @@ class RowParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         if param.dim() == 1:  # the bias: once over the ranks
             with torch.no_grad():
-                param.data.copy_(loaded) if self.tp_rank == 0 else param.data.zero_()
+                param.data.copy_(materialize(loaded)) if self.tp_rank == 0 else param.data.zero_()
             return
         cols = param.shape[1]
         _copy_slice(param, loaded, 1, self.tp_rank * cols, cols)
@@ -224,6 +225,9 @@ class MergedColumnParallelLinear(MergedLinear):
         sizes = {k: v if k in replicated else divide(v, tp.world_size, f"shard {k!r}") for k, v in shards.items()}
         super().__init__(in_features, sizes, bias)
         self.whole_sizes = dict(shards)  # each shard's rows in the checkpoint
+        if tp.world_size > 1:
+            for param in self.parameters():
+                reads_slices(param)
 
     def shard_start(self, shard: str) -> int:
         """Where this rank's part of `shard` starts in the checkpoint tensor."""
@@ -235,7 +239,9 @@ class MergedColumnParallelLinear(MergedLinear):
         size = self.shard_offsets[shard][1]
         whole = self.whole_sizes[shard]
         if loaded.shape[0] != whole:
-            raise ValueError(f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
+            )
         start = self.shard_start(shard)
         super().weight_loader(param, loaded.narrow(0, start, size), shard)
 
@@ -300,6 +306,7 @@ def shard_rows(param: nn.Parameter, sections: list[int] | None = None) -> None:
             p.data.copy_(rank_sections(loaded, whole))
 
     param.weight_loader = load  # type: ignore[attr-defined]
+    reads_slices(param)
 
 
 def _split_loader(layer: nn.Module, bias: bool) -> None:
@@ -307,8 +314,10 @@ def _split_loader(layer: nn.Module, bias: bool) -> None:
     layer loads as a plain `Linear` does (and takes GGUF's kept blocks as one)."""
     if layer.tp_size > 1:
         layer.weight.weight_loader = layer.weight_loader  # type: ignore[union-attr]
+        reads_slices(layer.weight)  # type: ignore[arg-type]
         if bias:
             layer.bias.weight_loader = layer.weight_loader  # type: ignore[union-attr]
+            reads_slices(layer.bias)  # type: ignore[arg-type]
 
 
 def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:

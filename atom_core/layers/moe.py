@@ -33,6 +33,7 @@ from torch import nn
 
 from atom_core.distributed.communication import all_reduce
 from atom_core.distributed.parallel_state import divide, get_tp_group
+from atom_core.layers.checkpoint_slice import materialize, reads_slices
 from atom_core.layers.cpp import CppKernel
 from atom_core.layers.gemm import StreamingGemm, pick_gemm
 from atom_core.layers.ops import silu_and_mul
@@ -123,6 +124,8 @@ class FusedMoE(nn.Module):
         for name in ("w13", "w2"):
             param = getattr(self, name)
             param.weight_loader = self.weight_loader
+            if tp.world_size > 1:  # a slice of each expert, or only this rank's experts, read
+                reads_slices(param)
             param.expected_shards = {s for s, (p, _, _) in self.shard_offsets.items() if p == name}
 
     @staticmethod
@@ -155,7 +158,7 @@ class FusedMoE(nn.Module):
             size = param.shape[2] if name == "w2" else rows
             loaded = loaded.narrow(split, self.tp_rank * size, size)
         with torch.no_grad():
-            param.data[shard[1] - self.first_expert, first : first + rows].copy_(loaded)
+            param.data[shard[1] - self.first_expert, first : first + rows].copy_(materialize(loaded))
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.

@@ -7,8 +7,8 @@ parameter) defines `map_checkpoint_name(name) -> (parameter name, shard) | None`
 consulted first; it returns `SKIP` for tensors the model does not use (a checkpoint's
 MTP layer, which a draft model loads), so they are never read. A fused parameter expects
 the shards in its `expected_shards` if it has them, else every shard of its owner's
-`shard_offsets`. A parameter split across tensor-parallel ranks gets the whole checkpoint
-tensor through its `weight_loader`, which keeps its rank's slice.
+`shard_offsets`. A parameter split across tensor-parallel ranks (`reads_slices`) gets a
+`CheckpointSlice` through its `weight_loader`, which reads only its rank's part.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from atom_core.layers.checkpoint_slice import CheckpointSlice
 
 # What `map_checkpoint_name` returns for a tensor the model leaves unread.
 SKIP = ("", "skip")
@@ -68,7 +70,10 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                     raise ValueError(
                         f"checkpoint tensor {name!r} ({path.name}) matches no parameter of {type(model).__name__}"
                     )
-                tensor = f.get_tensor(name)
+                # a split parameter reads only its rank's part
+                tensor = (
+                    CheckpointSlice(f.get_slice(name)) if getattr(param, "reads_slices", False) else f.get_tensor(name)
+                )
                 if shard is None and not hasattr(param, "weight_loader"):
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(

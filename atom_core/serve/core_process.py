@@ -49,11 +49,14 @@ def run_core(
     inbox.connect(in_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(out_address)
+    core = None
     try:
         core = EngineCoreLoop(model, config, rank)
         outbox.send(encoder.encode(core.ready()))
         core.serve(inbox, outbox)
     finally:
+        if core is not None:
+            core.core.close()  # its tensor-parallel ranks, if any
         outbox.close(linger=1000)
         inbox.close(linger=0)
         context.term()
