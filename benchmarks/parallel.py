@@ -110,7 +110,9 @@ def run_child(ranks: int, threads: int) -> dict[str, Any]:
     )  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"{ranks} rank(s) failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["decode"] = {int(n): d for n, d in out["decode"].items()}  # JSON keys are strings
+    return out
 
 
 def serve(folder: Path, dp: int, threads: int) -> dict[int, float]:

@@ -312,3 +312,50 @@ def test_serve_with_two_engine_cores_of_two_ranks_each(tmp_path):
     time.sleep(1)
     alive = subprocess.run(["pgrep", "-f", "atom_core.executor.worker"], capture_output=True, text=True).stdout.split()
     assert not set(pids) & set(alive)
+
+
+RAY_SCRIPT = """
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+from atom_core import SamplingParams
+from atom_core.engine.llm_engine import LLMEngine
+
+folder, engine = sys.argv[1], json.loads(sys.argv[2])
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+cluster.add_node(num_cpus=1)  # a second node: the worker rank lands wherever the placement group puts it
+ray.init(address=cluster.address)
+try:
+    with LLMEngine(folder, tensor_parallel_size=2, distributed_executor="ray", **engine) as e:
+        out = e.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    print("TOKENS", json.dumps([r["token_ids"] for r in out]), flush=True)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+def test_ray_on_a_two_node_cluster_gives_one_ranks_tokens(llama, tmp_path):
+    """The "ray" executor on a two-node `ray.cluster_utils.Cluster`, in a network namespace with
+    only loopback (`unshare -n`: Ray binds a non-loopback address where it finds one)."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed (pip install 'atom-engine[ray]')")
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    if probe.returncode or shutil.which("ip") is None:
+        pytest.skip(f"cannot make a loopback-only network namespace here (unshare -n: {probe.stderr.strip()!r})")
+    folder, _ = llama
+    script = tmp_path / "ray_run.py"
+    script.write_text(RAY_SCRIPT)
+    command = f"ip link set lo up && {sys.executable} {script} {folder} '{json.dumps(ENGINE)}'"
+    done = subprocess.run(["unshare", "-n", "sh", "-c", command], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("TOKENS")]
+    from atom_core import SamplingParams
+
+    one = LLMEngine(folder, **ENGINE).generate(
+        [[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    assert json.loads(line.removeprefix("TOKENS ")) == [r["token_ids"] for r in one]

@@ -309,15 +309,13 @@ def shard_rows(param: nn.Parameter, sections: list[int] | None = None) -> None:
     reads_slices(param)
 
 
-def _split_loader(layer: nn.Module, bias: bool) -> None:
+def _split_loader(layer: ColumnParallelLinear | RowParallelLinear, bias: bool) -> None:
     """Route the checkpoint's tensors through `layer.weight_loader` when it is split; one rank's
     layer loads as a plain `Linear` does (and takes GGUF's kept blocks as one)."""
     if layer.tp_size > 1:
-        layer.weight.weight_loader = layer.weight_loader  # type: ignore[union-attr]
-        reads_slices(layer.weight)  # type: ignore[arg-type]
-        if bias:
-            layer.bias.weight_loader = layer.weight_loader  # type: ignore[union-attr]
-            reads_slices(layer.bias)  # type: ignore[arg-type]
+        for param in layer.parameters():
+            param.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+            reads_slices(param)
 
 
 def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from atom_core.layers.checkpoint_slice import CheckpointSlice
+from atom_core.layers.checkpoint_slice import CheckpointSlice, materialize
 
 # What `map_checkpoint_name` returns for a tensor the model leaves unread.
 SKIP = ("", "skip")
@@ -81,7 +81,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                             f"parameter {target!r} expects {tuple(param.shape)}"
                         )
                     with torch.no_grad():
-                        param.data.copy_(tensor)
+                        param.data.copy_(materialize(tensor))
                 else:
                     try:
                         # set by the layer (MergedLinear, FusedMoE); torch's Parameter stubs do not declare it

@@ -31,3 +31,4 @@ def atom_register_structured_output_backends(registry):
 def atom_register_distributed_executors(registry):
     registry.register("mp", "atom_core.executor.multiproc:MultiprocExecutor")
     registry.register("torchrun", "atom_core.executor.torchrun:TorchrunExecutor")
+    registry.register("ray", "atom_core.executor.ray_executor:RayExecutor")  # the `ray` extra

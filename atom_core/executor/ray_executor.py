@@ -1,0 +1,137 @@
+"""The "ray" executor (the optional `atom-engine[ray]` extra): Ray places one actor per rank
+other than 0 in a placement group, on whichever nodes of the cluster have room, and each actor
+runs the same worker as the "mp" executor's processes (`worker.run_worker`) against rank 0's
+`TCPStore`; the ranks then form the same torch.distributed group (vLLM's Ray executor does the
+same). Ray only places the processes: each step still travels by `dist.broadcast`, and what Ray
+carries (each actor's environment, its exit message) is plain strings.
+
+Uses the Ray cluster this process is connected to (`ray.init(address=...)` first), or starts a
+local one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from atom_core.config import Config
+from atom_core.distributed.parallel_state import init_tensor_parallel, resolve_backend
+from atom_core.executor.executor import DistributedExecutor, TensorParallelError, threads_per_rank
+from atom_core.executor.worker import READY_KEY
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+class RankActor:
+    """One rank other than 0, as a Ray actor (made `ray.remote` by the executor)."""
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, env: dict[str, str]) -> str | None:
+        """The rank's whole life; None when it ended cleanly, else what failed."""
+        import tempfile
+
+        from atom_core.executor.worker import read_error, run_worker
+
+        path = tempfile.mktemp(prefix="atom-rank-", suffix=".json")
+        os.environ.update(env, ATOM_WORKER_ERROR_FILE=path)
+        code = run_worker()
+        return (
+            None if code == 0 else (read_error(path) or f"tensor-parallel rank {env['RANK']} exited with code {code}")
+        )
+
+
+class RayExecutor(DistributedExecutor):
+    def __init__(self, config: Config, hf_config: Any):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "distributed_executor='ray' needs Ray: pip install 'atom-engine[ray]' (or use 'mp' or 'torchrun')"
+            ) from None
+        self.actors: list[Any] = []
+        self.runs: list[Any] = []
+        self.placement: Any = None
+        super().__init__(config, hf_config)
+
+    def join_group(self, config: Config) -> None:
+        import ray
+        import torch.distributed as dist
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init()
+        world = config.tensor_parallel_size
+        backend = resolve_backend(config.distributed_backend, config.device)
+        here = ray.util.get_node_ip_address()
+        store = dist.TCPStore(
+            here,
+            0,
+            world,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=config.distributed_timeout),
+        )
+        self.placement = placement_group([{"CPU": 1}] * (world - 1))
+        ray.get(self.placement.ready(), timeout=STARTUP_TIMEOUT_S)
+        actor_cls = ray.remote(num_cpus=1)(RankActor)
+        self.actors = [
+            actor_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(world - 1)
+        ]
+        nodes = [ray.get_runtime_context().get_node_id()] + ray.get([a.node_id.remote() for a in self.actors])
+        per_node = {n: nodes.count(n) for n in nodes}
+        threads = threads_per_rank(per_node[nodes[0]])
+        for rank, actor in enumerate(self.actors, 1):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node[nodes[rank]]),
+                "MASTER_ADDR": here, "MASTER_PORT": str(store.port), "ATOM_DISTRIBUTED_BACKEND": backend,
+                "ATOM_DISTRIBUTED_TIMEOUT": str(config.distributed_timeout), "ATOM_WORKER_THREADS": str(threads),
+            }  # fmt: skip
+            self.runs.append(actor.run.remote(env))
+        keys = [READY_KEY.format(rank=r) for r in range(1, world)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            done, _ = ray.wait(self.runs, timeout=0.05)
+            if done:
+                raise TensorParallelError(self.rank_failure() or "a tensor-parallel rank ended while starting")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        init_tensor_parallel(
+            0, world, backend=backend, timeout_s=config.distributed_timeout, local_world_size=per_node[nodes[0]],
+            store=store,
+        )  # fmt: skip
+
+    def rank_failure(self) -> str | None:
+        import ray
+
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=5.0) if self.runs else ([], [])
+        for ref in done:
+            try:
+                message = ray.get(ref)
+            except Exception as e:  # the actor itself died
+                return f"a tensor-parallel rank's Ray actor died: {type(e).__name__}: {e}"
+            if message:
+                return message
+        return None
+
+    def stop_ranks(self) -> None:
+        import ray
+
+        if self.failure is None and self.runs:
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=10.0)
+        for actor in self.actors:
+            ray.kill(actor)
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement)
+        self.actors, self.runs, self.placement = [], [], None
