@@ -164,3 +164,34 @@ def test_a_split_parameter_reads_only_its_part_of_the_checkpoint(monkeypatch, tm
         ValueError, match=r"'col.weight'.*shape \(7, 8\) is not \(3, 8\) split 2 ways along dimension 0"
     ):
         load_model_weights(model, tmp_path)
+
+
+def _shm_rank(rank: int, rendezvous: str, out: str) -> None:
+    from atom_core.distributed.communication import all_gather, all_reduce, enable_shared_memory_collectives
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, WORLD, init_method=rendezvous, backend="gloo", timeout_s=60)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(n, generator=g) for n in (1, 576, 3 * 1000)] + [torch.randn(4, 7, generator=g).bfloat16()]
+        by_gloo = [all_reduce(x.clone()) for x in xs] + [all_gather(xs[1], dim=0)]
+        assert enable_shared_memory_collectives(30.0) and parallel_state.get_tp_group().shm is not None
+        for _ in range(3):  # both sets of slots, in turn
+            by_shm = [all_reduce(x.clone()) for x in xs] + [all_gather(xs[1], dim=0)]
+        for a, b in zip(by_gloo, by_shm):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6 if a.dtype == torch.float32 else 1e-2)
+        big = torch.ones(3 << 20)  # past a slot: gloo
+        assert torch.equal(all_reduce(big), torch.full_like(big, WORLD))
+        torch.save(by_shm, f"{out}/shm{rank}.pt")
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_shared_memory_collectives_equal_gloos_and_every_rank_gets_the_same_bits(tmp_path):
+    mp.start_processes(
+        _shm_rank, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=WORLD, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"shm{r}.pt") for r in range(WORLD)]
+    for a, b in zip(*ranks):
+        assert torch.equal(a, b)

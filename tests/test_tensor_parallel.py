@@ -100,8 +100,14 @@ def test_both_ranks_hold_the_same_blocks_and_half_the_bytes(llama):
     folder, _ = llama
     one = LLMEngine(folder, **ENGINE)
     whole = sum(t.nbytes for t in one.runner.kv_cache_tensors.values())
+    shm = Path("/dev/shm")
     with LLMEngine(folder, tensor_parallel_size=2, **ENGINE) as two:
         assert two.core.executor.rank_pools == [(64, whole // 2), (64, whole // 2)]
+        # both ranks on this host: the collectives go through one shared segment, already unlinked
+        from atom_core.distributed.parallel_state import get_tp_group
+
+        assert get_tp_group().shm is not None
+        assert not list(shm.glob("atom-tp-*")) if shm.is_dir() else True
     # Sized from a byte budget: per rank, so twice the blocks of one rank's pool (2 of 4 KV heads)
     budget = dict(ENGINE, num_kvcache_blocks=None, kv_cache_memory=whole)
     with LLMEngine(folder, tensor_parallel_size=2, **budget) as two:

@@ -31,7 +31,10 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    dist.all_reduce(x, group=tp.group)
+    if tp.shm is not None and tp.shm.fits(x):
+        tp.shm.all_reduce(x)
+    else:
+        dist.all_reduce(x, group=tp.group)
     _count(start)
     return x
 
@@ -44,10 +47,14 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    parts = [torch.empty_like(x) for _ in range(tp.world_size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    if tp.shm is not None and tp.shm.fits(x):
+        out = tp.shm.all_gather(x, dim)
+    else:
+        parts = [torch.empty_like(x) for _ in range(tp.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=tp.group)
+        out = torch.cat(parts, dim=dim)
     _count(start)
-    return torch.cat(parts, dim=dim)
+    return out
 
 
 def _count(start: float) -> None:
@@ -91,3 +98,32 @@ def broadcast_bytes(data: bytes | None) -> bytes:
     if n:
         dist.broadcast(t, src=0, group=tp.control)
     return bytes(t.numpy()) if tp.rank else data  # type: ignore[return-value]
+
+
+def enable_shared_memory_collectives(timeout_s: float) -> bool:
+    """Every rank calls this once after joining: when all of them sit on this host, the model's
+    collectives go through one shared segment (`shm_all_reduce.py`) instead of gloo's loopback
+    TCP. The segment is unlinked once every rank has mapped it, so nothing is left behind even
+    after a crash. `ATOM_SHM_COLLECTIVES=0` keeps gloo. Whether it is on."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    from atom_core.distributed.parallel_state import set_shared_memory
+    from atom_core.distributed.shm_all_reduce import SharedMemoryCollectives
+
+    tp = get_tp_group()
+    if tp.world_size == 1 or tp.local_world_size != tp.world_size or os.environ.get("ATOM_SHM_COLLECTIVES") == "0":
+        return False
+    where = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    path = str(where / f"atom-tp-{uuid.uuid4().hex}") if tp.is_first else None
+    if path is not None:
+        collectives = SharedMemoryCollectives(tp.rank, tp.world_size, path, True, timeout_s)
+    path = broadcast_bytes(path.encode() if path is not None else None).decode()
+    if not tp.is_first:
+        collectives = SharedMemoryCollectives(tp.rank, tp.world_size, path, False, timeout_s)
+    broadcast_ints([1] if tp.is_first else None, 1)  # every rank has mapped it
+    if tp.is_first:
+        Path(path).unlink()
+    set_shared_memory(collectives)
+    return True

@@ -34,6 +34,8 @@ class ParallelGroup:
     # MoE layers give each rank whole experts (`Config.enable_expert_parallel`) instead of a
     # slice of every expert's intermediate size; set by the model runner before it builds the model.
     expert_parallel: bool = False
+    # `shm_all_reduce.SharedMemoryCollectives` when every rank is on this host (set once joined)
+    shm: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -93,6 +95,11 @@ def set_expert_parallel(enabled: bool) -> None:
     """How MoE layers built from now on split their experts (whole experts per rank or not)."""
     global _tp
     _tp = attrs.evolve(_tp, expert_parallel=enabled and _tp.world_size > 1)
+
+
+def set_shared_memory(collectives: Any) -> None:
+    global _tp
+    _tp = attrs.evolve(_tp, shm=collectives)
 
 
 def destroy_tensor_parallel() -> None:

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from atom_core.config import Config
-from atom_core.distributed.communication import all_gather, broadcast_bytes
+from atom_core.distributed.communication import all_gather, broadcast_bytes, enable_shared_memory_collectives
 from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
 from atom_core.executor.step_message import send_shutdown, send_step
 from atom_core.runner.model_runner import ModelRunner
@@ -88,6 +88,7 @@ class DistributedExecutor(ModelExecutor):
             self.join_group(config)
             tp = get_tp_group()
             torch.set_num_threads(threads_per_rank(tp.local_world_size))
+            enable_shared_memory_collectives(config.distributed_timeout)
             broadcast_bytes(config_json(config))
             self.runner = ModelRunner(config, hf_config)
             # each rank's (blocks, bytes): every rank allocated rank 0's block count

@@ -68,7 +68,7 @@ def run_worker(model: str | None = None) -> int:
     try:
         import torch
 
-        from atom_core.distributed.communication import broadcast_bytes
+        from atom_core.distributed.communication import broadcast_bytes, enable_shared_memory_collectives
         from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
         from atom_core.executor.executor import config_from_json, gather_pool_sizes, threads_per_rank
         from atom_core.executor.step_message import recv_step
@@ -80,6 +80,7 @@ def run_worker(model: str | None = None) -> int:
         threads = int(os.environ.get("ATOM_WORKER_THREADS", 0))  # rank 0's share, from the "mp" executor
         join(rank, int(os.environ["WORLD_SIZE"]), backend, timeout_s)
         torch.set_num_threads(threads or threads_per_rank(get_tp_group().local_world_size))
+        enable_shared_memory_collectives(timeout_s)
         config = config_from_json(broadcast_bytes(None))
         if model is not None:
             import attrs
