@@ -365,3 +365,63 @@ def test_ray_on_a_two_node_cluster_gives_one_ranks_tokens(llama, tmp_path):
         [[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     )
     assert json.loads(line.removeprefix("TOKENS ")) == [r["token_ids"] for r in one]
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    """Tiny Llama and Mixtral written as Q8_0 GGUF files by llama.cpp's own converter."""
+    from gguf_convert import convert_many, write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tp-gguf")
+    jobs = []
+    for arch in ("llama", "mixtral"):
+        build_tiny_model(arch, root / arch)
+        write_tiny_tokenizer(root / arch)
+        jobs.append((root / arch, root / f"{arch}.gguf"))
+    convert_many(jobs, "q8_0")
+    return {arch: path for arch, (_, path) in zip(("llama", "mixtral"), jobs)}
+
+
+def test_gguf_blocks_are_kept_and_split_along_their_groups(q8_gguf, tmp_path, monkeypatch):
+    """A GGUF file's Q8_0 blocks at 2 ranks, each rank's cut as its float weight is: the same
+    tokens as 1 rank on the same file; a split that would cut a group of 32 is named."""
+    from atom_core.layers.quantized_gemm import Int8PackGemm, StreamingGroupGemm
+
+    monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path / "atom-cache"))
+    prompts = random_prompts((5, 23, 47), seed=3)
+    engine = dict(ENGINE, dtype="float32")
+
+    def kept(e) -> bool:
+        kernels = [getattr(m, "packed_weight", None) for m in e.runner.model.modules()]
+        return any(isinstance(k, (Int8PackGemm, StreamingGroupGemm)) for k in kernels)
+
+    # Mixtral's experts have an intermediate size of 32: expert parallel keeps them whole
+    for arch, extra in (("llama", {}), ("mixtral", {"enable_expert_parallel": True})):
+        one = LLMEngine(q8_gguf[arch], **engine)
+        expected, expected_logits = run_with_logits(one, prompts, 12)
+        with LLMEngine(q8_gguf[arch], tensor_parallel_size=2, **engine, **extra) as two:
+            assert kept(one) and kept(two)
+            results, logits = run_with_logits(two, prompts, 12)
+        assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected], arch
+        # 8-bit kernels quantize each row of activations by its own maximum, and a row-parallel
+        # rank sees only its half of the row: close, not equal
+        for got, want in zip(logits, expected_logits):
+            torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+    cut = r"experts, shard \('down', 0\) \(Q8_0\) at 2 ranks: .* cannot split columns \[0, 16\) of 32: .*groups of 32"
+    with pytest.raises(ValueError, match=cut):
+        LLMEngine(q8_gguf["mixtral"], tensor_parallel_size=2, **engine)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_weights_quantized_at_load_are_each_ranks_slice_quantized(llama, quantization):
+    """int8 / int4 quantize each rank's slice after loading, in groups of 32 along its own columns
+    (whole groups here: 64 columns a rank), so both ranks run the same 8/4-bit kernels as one."""
+    folder, _ = llama
+    prompts = random_prompts((5, 23, 47), seed=3)
+    engine = dict(ENGINE, quantization=quantization)
+    expected, expected_logits = run_with_logits(LLMEngine(folder, **engine), prompts, 12)
+    with LLMEngine(folder, tensor_parallel_size=2, **engine) as two:
+        results, logits = run_with_logits(two, prompts, 12)
+    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected]
+    for got, want in zip(logits, expected_logits):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)

@@ -78,6 +78,14 @@ class ParallelLMHead(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
         load_vocab_rows(param, loaded, self.num_embeddings, self.start, self.rows)
 
+    def rank_part(self, loaded: Any, shard: Any = None) -> Any:
+        """This rank's rows of the whole head's GGUF blocks, padded as the float weight is."""
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"the vocabulary has {self.num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}"
+            )
+        return loaded.narrow(0, self.start, self.rows).pad_rows(self.out_features)
+
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab]: every rank's logits in vocabulary order (the padding rows dropped)."""
         if get_tp_group().world_size == 1:

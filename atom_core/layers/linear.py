@@ -179,8 +179,12 @@ class ColumnParallelLinear(Linear):
         _split_loader(self, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
-        rows = param.shape[0]
-        _copy_slice(param, loaded, 0, self.tp_rank * rows, rows)
+        _copy(param, self.rank_part(loaded, shard, param.dim() == 1))
+
+    def rank_part(self, loaded: Any, shard: Any = None, is_bias: bool = False) -> Any:
+        """This rank's rows of a whole checkpoint tensor (or `CheckpointSlice`, or GGUF's blocks)."""
+        rows = self.out_features
+        return _narrow(loaded, 0, self.tp_rank * rows, rows, self.tp_size)
 
 
 class RowParallelLinear(Linear):
@@ -200,8 +204,12 @@ class RowParallelLinear(Linear):
             with torch.no_grad():
                 param.data.copy_(materialize(loaded)) if self.tp_rank == 0 else param.data.zero_()
             return
-        cols = param.shape[1]
-        _copy_slice(param, loaded, 1, self.tp_rank * cols, cols)
+        _copy(param, self.rank_part(loaded, shard))
+
+    def rank_part(self, loaded: Any, shard: Any = None, is_bias: bool = False) -> Any:
+        """This rank's columns of a whole checkpoint tensor (or `CheckpointSlice`, or GGUF's blocks)."""
+        cols = self.in_features
+        return _narrow(loaded, 1, self.tp_rank * cols, cols, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
@@ -234,16 +242,18 @@ class MergedColumnParallelLinear(MergedLinear):
         return 0 if shard in self.replicated else self.tp_rank * self.shard_offsets[shard][1]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        super().weight_loader(param, materialize(self.rank_part(loaded, shard)), shard)
+
+    def rank_part(self, loaded: Any, shard: str, is_bias: bool = False) -> Any:
+        """This rank's part of `shard` (a whole checkpoint tensor, `CheckpointSlice` or GGUF's blocks)."""
         if shard in self.sections:
-            return MergedLinear.weight_loader(self, param, rank_sections(loaded, self.sections[shard]), shard)
-        size = self.shard_offsets[shard][1]
+            return rank_sections(loaded, self.sections[shard])
         whole = self.whole_sizes[shard]
         if loaded.shape[0] != whole:
             raise ValueError(
                 f"shard {shard!r} expects {whole} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
             )
-        start = self.shard_start(shard)
-        super().weight_loader(param, loaded.narrow(0, start, size), shard)
+        return loaded.narrow(0, self.shard_start(shard), self.shard_offsets[shard][1])
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -280,7 +290,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         return (self.tp_rank // self.kv_replicas) * self.num_kv_heads * self.head_dim
 
 
-def rank_sections(loaded: torch.Tensor, sections: list[int]) -> torch.Tensor:
+def rank_sections(loaded: Any, sections: list[int]) -> Any:
     """This rank's equal share of each consecutive part of `loaded`'s rows (sizes `sections`), joined."""
     tp = get_tp_group()
     if sum(sections) != loaded.shape[0]:
@@ -290,7 +300,7 @@ def rank_sections(loaded: torch.Tensor, sections: list[int]) -> torch.Tensor:
         share = divide(size, tp.world_size, "a tensor-parallel section's rows")
         parts.append(loaded.narrow(0, start + tp.rank * share, share))
         start += size
-    return torch.cat(parts)
+    return QuantizedWeight.cat(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts)
 
 
 def shard_rows(param: nn.Parameter, sections: list[int] | None = None) -> None:
@@ -318,11 +328,18 @@ def _split_loader(layer: ColumnParallelLinear | RowParallelLinear, bias: bool) -
             reads_slices(param)
 
 
-def _copy_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int) -> None:
-    if loaded.shape[dim] != param.shape[dim] * get_tp_group().world_size or loaded.dim() != param.dim():
+def _narrow(loaded: Any, dim: int, start: int, size: int, ranks: int) -> Any:
+    """`loaded.narrow(dim, start, size)`, once `loaded` is checked to be `ranks` such parts."""
+    if loaded.shape[dim] != size * ranks:
         raise ValueError(
-            f"the checkpoint tensor's shape {tuple(loaded.shape)} is not {tuple(param.shape)} split "
-            f"{get_tp_group().world_size} ways along dimension {dim}"
+            f"the checkpoint tensor's shape {tuple(loaded.shape)} is not {ranks} parts of {size} along dimension {dim}"
         )
+    return loaded.narrow(dim, start, size)
+
+
+def _copy(param: nn.Parameter, part: Any) -> None:
+    part = materialize(part)
+    if tuple(part.shape) != tuple(param.shape):
+        raise ValueError(f"this rank's part has shape {tuple(part.shape)}, the parameter {tuple(param.shape)}")
     with torch.no_grad():
-        param.data.copy_(loaded.narrow(dim, start, size))
+        param.data.copy_(part)

@@ -26,6 +26,7 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,26 +140,35 @@ class FusedMoE(nn.Module):
         return ExpertNameMapper(QWEN_EXPERT_NAMES if names is None else names, module)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
-        if shard not in self.shard_offsets:
-            if self.expert_parallel and isinstance(shard, tuple) and 0 <= shard[1] < self.num_experts:
-                return  # another rank's expert
-            raise ValueError(f"FusedMoE with {self.num_experts} experts has no shard {shard!r}")
+        part = self.rank_part(loaded, shard)
+        if part is None:
+            return  # another rank's expert
         name, first, rows = self.shard_offsets[shard]
         if param is not getattr(self, name):
             raise ValueError(f"shard {shard!r} belongs to {name!r}, not to the parameter it was sent to")
-        # the whole expert's tensor: gate and up [intermediate, hidden], down [hidden, intermediate]
-        split = 1 if name == "w2" else 0  # the intermediate dimension, sliced per rank
-        whole = [rows, param.shape[2]]
+        with torch.no_grad():
+            param.data[shard[1] - self.first_expert, first : first + rows].copy_(materialize(part))
+
+    def rank_part(self, loaded: Any, shard: tuple[str, int]) -> Any:
+        """This rank's part of one expert's whole tensor (or `CheckpointSlice`, or GGUF's blocks):
+        gate and up [intermediate, hidden], down [hidden, intermediate], sliced along the
+        intermediate size; None for another rank's expert under expert parallel."""
+        if shard not in self.shard_offsets:
+            if self.expert_parallel and isinstance(shard, tuple) and 0 <= shard[1] < self.num_experts:
+                return None
+            raise ValueError(f"FusedMoE with {self.num_experts} experts has no shard {shard!r}")
+        name, _, rows = self.shard_offsets[shard]
+        split = 1 if name == "w2" else 0  # the intermediate dimension
+        size = self.intermediate_size
+        whole = [rows, self.hidden_size if name == "w13" else size]
         whole[split] *= self.tp_size if not self.expert_parallel else 1
         if list(loaded.shape) != whole:
             raise ValueError(
                 f"expert {shard[1]} {shard[0]} expects shape {tuple(whole)}, the checkpoint tensor has {tuple(loaded.shape)}"
             )
         if self.tp_size > 1 and not self.expert_parallel:
-            size = param.shape[2] if name == "w2" else rows
-            loaded = loaded.narrow(split, self.tp_rank * size, size)
-        with torch.no_grad():
-            param.data[shard[1] - self.first_expert, first : first + rows].copy_(materialize(loaded))
+            return loaded.narrow(split, self.tp_rank * size, size)
+        return loaded
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.

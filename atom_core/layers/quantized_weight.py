@@ -89,6 +89,37 @@ class QuantizedWeight:
         zeros = None if self.zeros is None else fn(self.zeros)
         return QuantizedWeight(self.bits, self.group_size, fn(self.qweight), fn(self.scales), zeros, self.origin)
 
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Rows [start, start + length) (dim 0), or those columns (dim 1) in whole groups: a
+        tensor-parallel rank's part, as `torch.Tensor.narrow` gives a float weight's."""
+        if dim == 1 and (start % self.group_size or length % self.group_size):
+            raise ValueError(
+                f"{self.format} ({self.origin or 'quantized'}) cannot split columns [{start}, {start + length}) of "
+                f"{self.shape[1]}: a split must keep whole groups of {self.group_size}"
+            )
+        g = self.group_size if dim == 1 else 1
+        zeros = None if self.zeros is None else self.zeros.narrow(dim, start // g, length // g)
+        return QuantizedWeight(
+            self.bits, self.group_size, self.qweight.narrow(dim, start, length).contiguous(),
+            self.scales.narrow(dim, start // g, length // g).contiguous(),
+            None if zeros is None else zeros.contiguous(), self.origin,
+        )  # fmt: skip
+
+    def pad_rows(self, rows: int) -> QuantizedWeight:
+        """`rows` rows, the added ones zero (a vocabulary split whose last rank holds fewer)."""
+        extra = rows - self.shape[0]
+        if extra <= 0:
+            return self
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+        zeros = None if self.zeros is None else pad(self.zeros)
+        return QuantizedWeight(self.bits, self.group_size, pad(self.qweight), pad(self.scales), zeros, self.origin)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row blocks stacked (the shards of a `MergedLinear`); they must share one format."""

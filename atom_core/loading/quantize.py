@@ -72,12 +72,6 @@ def quantize_model(model: nn.Module, config: Any) -> None:
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
             return  # not converted from GGUF: the checkpoint's weights as they are
-        ranks = get_tp_group().world_size
-        if ranks > 1:
-            raise ValueError(
-                f"a GGUF file's quantized blocks (quantization='auto') do not split across tensor_parallel_size={ranks} "
-                "ranks yet: use quantization='none' (dequantized), 'int8' or 'int4'"
-            )
         _from_gguf(model, blocks, linears, experts, config)
     else:
         head_mode = config.quantize_lm_head
@@ -189,6 +183,17 @@ def _from_gguf(
         requantized.setdefault((f"{'/'.join(sorted(types))} -> {qw.format}", why), []).append(name)
         return qw
 
+    split = get_tp_group().world_size > 1
+
+    def rank_part(name: str, module: nn.Module, shard: Any, part: tuple[str, Any] | None) -> tuple[str, Any] | None:
+        """A tensor-parallel rank's part of a shard's blocks, cut as the layer cuts its float weight."""
+        if part is None or part[1] is None or not split or not hasattr(module, "rank_part"):
+            return part
+        try:
+            return part[0], module.rank_part(part[1], shard)  # type: ignore[operator]
+        except ValueError as e:
+            raise ValueError(f"{name}, shard {shard!r} ({part[0]}) at {get_tp_group().world_size} ranks: {e}") from None
+
     for name, module in linears.items():
         shards = by_param.get(id(module.weight))
         if not shards:
@@ -197,13 +202,16 @@ def _from_gguf(
             continue
         offsets = getattr(module, "shard_offsets", None)  # a MergedLinear: its shards in row order
         order = sorted(offsets, key=lambda s: offsets[s][0]) if offsets else [None]
-        module.quant = from_blocks(name, [shards.get(s) for s in order], module.weight)
+        parts = [rank_part(name, module, s, shards.get(s)) for s in order]
+        module.quant = from_blocks(name, parts, module.weight)
     for name, moe in experts.items():
         w13, w2 = by_param.get(id(moe.w13), {}), by_param.get(id(moe.w2), {})
+        local = range(moe.first_expert, moe.first_expert + moe.num_local_experts)  # this rank's experts
         quant = (
-            [from_blocks(f"{name}.{e}.w13", [w13.get(("gate", e)), w13.get(("up", e))], moe.w13[e])
-             for e in range(moe.num_experts)],
-            [from_blocks(f"{name}.{e}.w2", [w2.get(("down", e))], moe.w2[e]) for e in range(moe.num_experts)],
+            [from_blocks(f"{name}.{e}.w13", [rank_part(name, moe, s, w13.get(s)) for s in (("gate", e), ("up", e))],
+                         moe.w13[e - moe.first_expert]) for e in local],
+            [from_blocks(f"{name}.{e}.w2", [rank_part(name, moe, ("down", e), w2.get(("down", e)))],
+                         moe.w2[e - moe.first_expert]) for e in local],
         )  # fmt: skip
         if all(q is not None for q in quant[0] + quant[1]):  # one format for the whole layer, or float
             moe.quant = quant
