@@ -169,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions) -> hidden states; compute_logits on the rows that sample."""
 
     model_cls = LlamaModel
+    # Built from the parallel layers (every family here that subclasses this one too).
+    supports_tensor_parallel = True
     # checkpoint name -> (our fused parameter, shard): three GEMMs become one
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),

@@ -43,6 +43,8 @@ CASES = {
     "mixtral": ("mixtral", {}),
     "deepseek_v3": ("deepseek_v3", {}),  # MLA by heads; routed and shared experts in one all-reduce
     "qwen3_next": ("qwen3_next", {}),  # GDN by key-head groups, gated attention, shared expert
+    "qwen3_5": ("qwen3_5", {}),  # GDN with flat projections: q, k and v in one tensor, split by sections
+    "deepseek_v2": ("deepseek_v2_greedy", {}),  # MLA without a query latent: q split beside a whole kv_a
 }
 
 
@@ -228,6 +230,35 @@ def test_a_split_that_does_not_divide_is_named_before_any_weight_loads(tmp_path)
     build_tiny_model("llama", folder, num_attention_heads=3, num_key_value_heads=1, hidden_size=48)
     with pytest.raises(ValueError, match="attention heads: 3 does not divide among 2 tensor-parallel ranks"):
         LLMEngine(folder, tensor_parallel_size=2, **ENGINE)
+
+
+def test_a_model_plugin_that_builds_no_parallel_layers_is_refused_by_name(llama, tmp_path):
+    from atom_core.plugins.manager import get_plugin_manager
+    from atom_models.llama import LlamaForCausalLM
+
+    class PlainLlama(LlamaForCausalLM):
+        supports_tensor_parallel = False
+
+    class Plugin:
+        @staticmethod
+        def atom_register_models(registry):
+            registry.register("PlainLlamaForCausalLM", PlainLlama)
+
+    from atom_core.plugin_api import hookimpl
+
+    Plugin.atom_register_models = hookimpl(Plugin.atom_register_models)
+    folder, _ = llama
+    plain = tmp_path / "plain"
+    shutil.copytree(folder, plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(config | {"architectures": ["PlainLlamaForCausalLM"]}))
+    pm = get_plugin_manager()
+    pm.register(Plugin)
+    try:
+        with pytest.raises(ValueError, match="PlainLlamaForCausalLM .*does not support tensor parallel"):
+            LLMEngine(plain, tensor_parallel_size=2, **ENGINE)
+    finally:
+        pm.unregister(Plugin)
 
 
 def test_a_draft_model_is_refused_by_name_and_ngram_runs(llama):
