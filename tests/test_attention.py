@@ -277,3 +277,66 @@ def test_rectangular_padded_layout_gives_the_unpadded_output(impl_cls):
     plain = layer.impl.forward(layer, qc, kc, vc, chunk)
     meta = builder.build(batch([48], [table], [20], pad_block=0, left_pad_blocks=[3], tkvs=[3 * BS + 48]))
     torch.testing.assert_close(layer.impl.forward(layer, qc, kc, vc, meta), plain, atol=1e-5, rtol=1e-5)
+
+
+def options_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale, window, softcap, sinks):
+    """`causal_reference` with a sliding window (token at p sees keys p - window + 1 .. p), soft-capped
+    scores and a sink logit per head joining the softmax, in float64."""
+    out, s = torch.empty(q.shape, dtype=torch.float64), 0
+    group = q.shape[1] // k_cache.shape[0]
+    for table, L, n in zip(tables, context_lens, num_new):
+        k = k_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)  # [heads, L, dim]
+        v = v_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)
+        scores = q[s : s + n].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        keys, pos = torch.arange(L)[None, :], torch.arange(L - n, L)[:, None]
+        hidden = (keys > pos) | ((keys <= pos - window) if window else torch.zeros_like(keys > pos))
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, n, 1)], dim=-1)
+        p = scores.softmax(-1)
+        if sinks is not None:
+            p = p[..., :-1]
+        out[s : s + n] = (p @ v).transpose(0, 1)
+        s += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 2, 3), (128, 1, 4), (96, 2, 2)])
+@pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (None, 20.0, False), (None, None, True),
+                                                  (5, 30.0, True), (128, None, True)])  # fmt: skip
+def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, window, softcap, sinks, kernel_variant):
+    """Every kernel path (decode, short runs, tiles over a cached prefix) with a sliding window
+    that binds or not, and crosses block and chunk edges; soft-capped scores; sinks. Against a
+    float64 reference, and the torch path (`attend`) against the same."""
+    from atom_attention.mha.torch_paged import attend
+
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
+    gen = torch.Generator().manual_seed(dim + group + (window or 0))
+    bs, nblocks = 16, 96
+    context_lens, num_new = [300, 9, 40, 100, 1, 17, 70, 33], [300, 9, 33, 20, 1, 17, 3, 1]
+    tables = random_tables(context_lens, gen, nblocks)
+    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    k_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    for table, L in zip(tables, context_lens):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
+        for cache in (k_cache, v_cache):
+            cache.view(kv_heads, -1, dim)[:, slots] = torch.randn(kv_heads, L, dim, generator=gen).to(dtype)
+    heads = kv_heads * group
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
+    out = ops.paged_attention(
+        q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5, window or 0, softcap or 0.0, sink
+    )
+    ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for i, (table, L, n) in enumerate(zip(tables, context_lens, num_new)):
+        k = k_cache[:, table].flatten(1, 2)[:, :L]
+        v = v_cache[:, table].flatten(1, 2)[:, :L]
+        got = attend(q[starts[i] : starts[i + 1]], k, v, L - n, dim**-0.5, window, softcap, sink)
+        torch.testing.assert_close(got.double(), ref[starts[i] : starts[i + 1]], atol=tol, rtol=tol)

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -218,6 +219,21 @@ constexpr int64_t kShortQuery = 8;
 // Tokens per tile: with the group's heads, the rows that share each chunk of K/V.
 constexpr int64_t kTileTokens = 8;
 
+// A layer's attention options: a sliding window (a query at position p sees keys
+// p - window + 1 .. p; 0: every earlier key), soft-capped scores (cap * tanh(s / cap); 0:
+// none) and sinks (a logit per query head that joins its softmax and is dropped; null: none).
+struct Options {
+  int64_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+  // The first key a query at position p (0-based) sees.
+  int64_t first_key(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+  void cap(float* s, int64_t n) const {
+    if (softcap > 0.f)
+      for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  }
+};
+
 // The tiled path's inner products for head_dim D (a multiple of the vector width). Keys
 // come in chunks of kChunk = 2 vectors; kt holds a request's keys for one KV head
 // transposed ([D][padded keys], float32), so a chunk's scores for kScoreRows rows stay in
@@ -297,7 +313,8 @@ template <typename T, int D>
 void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
                  int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const float* kt,
                  int64_t kt_stride, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
-                 int64_t block_size, float scale, std::vector<float>& work, std::vector<const T*>& vrows) {
+                 int64_t block_size, float scale, const Options& opt, std::vector<float>& work,
+                 std::vector<const T*>& vrows) {
   using K = Tiled<T, D>;
   constexpr int C = K::kChunk;
   const int64_t rows = (j1 - j0) * group;
@@ -317,18 +334,22 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
   std::fill(acc, acc + rows * D, 0.f);
   const int64_t first = context - n;  // position of the request's first new token
   const int64_t keys = first + j1;  // keys the tile's last token sees
-  for (int64_t c0 = 0; c0 < keys; c0 += C) {
+  // keys before the tile's first token's window are seen by no row: start at its chunk
+  for (int64_t c0 = opt.first_key(first + j0) / C * C; c0 < keys; c0 += C) {
     const int64_t cn = std::min<int64_t>(C, keys - c0);
     K::scores(qf, rows, kt + c0, kt_stride, s);
     for (int64_t i = 0; i < rows; ++i) {
       float* si = s + i * C;
-      const int64_t seen = std::min<int64_t>(cn, first + j0 + i / group + 1 - c0);  // causal
-      if (seen <= 0) {
+      const int64_t pos = first + j0 + i / group;
+      const int64_t seen = std::min<int64_t>(cn, pos + 1 - c0);  // causal
+      const int64_t from = std::max<int64_t>(0, opt.first_key(pos) - c0);  // the window's start
+      if (seen <= from) {
         std::fill(si, si + C, 0.f);
         continue;
       }
+      opt.cap(si + from, seen - from);
       float mx = m[i], sum = 0.f;
-      if (seen == C) {  // every key of the chunk is seen: no mask
+      if (seen == C && from == 0) {  // every key of the chunk is seen: no mask
         mx = std::max(mx, simd::reduce_max(simd::max(simd::load(si), simd::load(si + L))));
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < C; ++t) {
@@ -336,10 +357,10 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
           sum += si[t];
         }
       } else {
-        for (int64_t t = 0; t < seen; ++t) mx = std::max(mx, si[t]);
+        for (int64_t t = from; t < seen; ++t) mx = std::max(mx, si[t]);
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < C; ++t) {
-          const float e = t < seen ? exp_nonpositive(si[t] - mx) : 0.f;
+          const float e = t >= from && t < seen ? exp_nonpositive(si[t] - mx) : 0.f;
           si[t] = e;
           sum += e;
         }
@@ -362,7 +383,17 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
   }
   for (int64_t i = 0; i < rows; ++i) {
     T* dst = op + (start + j0 + i / group) * os0 + (h * group + i % group) * os1;
-    const float inv = 1.f / l[i];
+    float denom = l[i], rescale = 1.f;
+    if (opt.sinks) {  // the head's sink joins the softmax: one more term in the denominator
+      const float sink = opt.sinks[h * group + i % group];
+      if (sink > m[i]) {
+        rescale = exp_nonpositive(m[i] - sink);
+        denom = denom * rescale + 1.f;
+      } else {
+        denom += exp_nonpositive(sink - m[i]);
+      }
+    }
+    const float inv = rescale / denom;
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
   }
 }
@@ -372,8 +403,8 @@ template <typename T, int D>
 void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start,
                    int64_t n, int64_t context, int64_t h, int64_t group, int64_t dim, const T* kbase,
                    const T* vbase, const int64_t* table, int64_t kb, int64_t kr, int64_t vb, int64_t vr,
-                   int64_t block_size, float fscale, std::vector<float>& qf, std::vector<float>& acc,
-                   std::vector<float>& denom, std::vector<float>& scores) {
+                   int64_t block_size, float fscale, const Options& opt, std::vector<float>& qf,
+                   std::vector<float>& acc, std::vector<float>& denom, std::vector<float>& scores) {
   using R = Rows<T, D>;
   qf.resize(group * dim);
   acc.resize(group * dim);
@@ -387,10 +418,14 @@ void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, in
       for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
     }
     const int64_t nblocks = (len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = opt.first_key(len - 1);  // the window's first key
+    const int64_t b0 = lo / block_size;  // blocks before it are not read
+    for (int64_t b = b0; b < nblocks; ++b) {
       const int64_t first = b * block_size, rows = std::min(block_size, len - first);
       const int64_t a = b + kPrefetchAhead;  // past the last K block: the first V blocks
-      const T* ahead = a < nblocks ? kbase + table[a] * kb : a < 2 * nblocks ? vbase + table[a - nblocks] * vb : nullptr;
+      const T* ahead = a < nblocks    ? kbase + table[a] * kb
+                       : a - nblocks + b0 < nblocks ? vbase + table[a - nblocks + b0] * vb
+                                                    : nullptr;
       for (int64_t g = 0; g < group; g += R::kHeads)
         R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
                   kbase + table[b] * kb, kr, rows, dim, scores.data() + g * len + first, len,
@@ -398,19 +433,23 @@ void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, in
     }
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores.data() + g * len;
+      std::fill(sg + b0 * block_size, sg + lo, 0.f);  // the first block's keys before the window
+      opt.cap(sg + lo, len - lo);
       float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+      for (int64_t t = lo; t < len; ++t) m = std::max(m, sg[t]);
+      const float sink = opt.sinks ? opt.sinks[h * group + g] : 0.f;
+      if (opt.sinks) m = std::max(m, sink);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = lo; t < len; ++t) {
         sg[t] = exp_nonpositive(sg[t] - m);
         sum += sg[t];
       }
-      denom[g] = sum;
+      denom[g] = opt.sinks ? sum + exp_nonpositive(sink - m) : sum;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < nblocks; ++b) {
       const int64_t first = b * block_size, rows = std::min(block_size, len - first);
       const T* ahead = b + kPrefetchAhead < nblocks ? vbase + table[b + kPrefetchAhead] * vb : nullptr;
       for (int64_t g = 0; g < group; g += R::kHeads)
@@ -443,7 +482,7 @@ void transpose_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr
 template <typename T, int D>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
-                    const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+                    const at::Tensor& query_start_loc, double scale, const Options& opt, at::Tensor& out) {
   constexpr bool kTiled = kVectorized<T, D>;
   const int64_t num_reqs = context_lens.size(0);
   const int64_t heads = q.size(1), dim = q.size(2);
@@ -511,12 +550,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const int64_t* table = tables + r * max_blocks;
       if (task.j0 < 0) {
         attend_tokens<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
-                            vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, qf, acc, denom, scores);
+                            vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, qf, acc, denom, scores);
       } else if constexpr (kTiled) {
         const int64_t stride = padded(r);
         attend_tile<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
                           std::min(n, task.j0 + kTileTokens), h, group, kt.data() + kt_offset[r] + h * dim * stride,
-                          stride, vp + h * vh, table, vb, vr, block_size, fscale, qf, vrows);
+                          stride, vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
   });
@@ -524,12 +563,12 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt,
-                  const at::Tensor& cl, const at::Tensor& qsl, double scale, at::Tensor& out) {
+                  const at::Tensor& cl, const at::Tensor& qsl, double scale, const Options& opt, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return attention_impl<T, 64>(q, k, v, bt, cl, qsl, scale, out);
-    case 128: return attention_impl<T, 128>(q, k, v, bt, cl, qsl, scale, out);
-    case 576: return attention_impl<T, 576>(q, k, v, bt, cl, qsl, scale, out);  // MLA's latent row (DeepSeek)
-    default: return attention_impl<T, 0>(q, k, v, bt, cl, qsl, scale, out);
+    case 64: return attention_impl<T, 64>(q, k, v, bt, cl, qsl, scale, opt, out);
+    case 128: return attention_impl<T, 128>(q, k, v, bt, cl, qsl, scale, opt, out);
+    case 576: return attention_impl<T, 576>(q, k, v, bt, cl, qsl, scale, opt, out);  // MLA's latent row (DeepSeek)
+    default: return attention_impl<T, 0>(q, k, v, bt, cl, qsl, scale, opt, out);
   }
 }
 
@@ -542,7 +581,8 @@ void check_cache(const at::Tensor& c, const char* name) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           const at::Tensor& query_start_loc, double scale) {
+                           const at::Tensor& query_start_loc, double scale, int64_t window, double softcap,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous rows");
   check_cache(k_cache, "k_cache");
@@ -555,11 +595,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto lens = context_lens.to(at::kLong).contiguous();
   auto starts = query_start_loc.to(at::kLong).contiguous();
   TORCH_CHECK(starts.size(0) == lens.size(0) + 1, "query_start_loc needs one entry more than context_lens");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  Options opt;
+  opt.window = window;
+  opt.softcap = static_cast<float>(softcap);
+  at::Tensor sink_logits;
+  if (sinks.has_value()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == q.size(1), "sinks must hold one logit per query head");
+    opt.sinks = sink_logits.data_ptr<float>();
+  }
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
-    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
-    case at::kHalf: attention_impl<c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, out); break;
+    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
+    case at::kHalf: attention_impl<c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
     default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16, not ", q.scalar_type());
   }
   return out;
@@ -596,7 +646,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of new tokens over their paged KV (CPU)");
+  m.def("paged_attention", &paged_attention, "attention of new tokens over their paged KV (CPU)", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
   // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
   // others walk the keys once per token. dispatch_dim instantiates these.

@@ -59,6 +59,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         self.write_kv(layer, k, v, meta)
+        if not layer.plain:
+            return self.with_options(layer, q, meta)
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
         nd = meta.extra.get("decode_reqs", 0)
@@ -113,6 +115,31 @@ class TorchPagedAttention:
             out[s:e] = o[0].transpose(0, 1)
         return out
 
+    def with_options(self, layer, q, meta: AttentionMetadata, first_req: int = 0, out=None) -> torch.Tensor:
+        """A layer with a sliding window, sinks or soft-capping: each request's scores in float32,
+        masked, capped and softmaxed with the sinks (`attend`). Rows from `first_req` on."""
+        if meta.padded_block_tables is not None:
+            raise NotImplementedError(
+                "a padding scheduling policy (spyre's rectangular layout) with sliding windows, sinks or "
+                "soft-capping is not supported; use scheduling_policy='mixed'"
+            )
+        if out is None:
+            out = torch.empty_like(q)
+        cu, ctx = meta.query_start_loc_cpu, meta.context_lens_cpu
+        bs = layer.k_cache.shape[2]
+        window = layer.sliding_window
+        for i in range(first_req, meta.num_reqs):
+            s, e, L = int(cu[i]), int(cu[i + 1]), int(ctx[i])
+            lo = 0 if window is None else max(0, L - (e - s) - window + 1)  # no query sees a key before lo
+            first_block = lo // bs
+            table = meta.block_tables[i, first_block : (L + bs - 1) // bs]
+            keys = L - first_block * bs
+            ki = layer.k_cache.index_select(1, table).flatten(1, 2)[:, :keys]  # [kv_heads, keys, dim]
+            vi = layer.v_cache.index_select(1, table).flatten(1, 2)[:, :keys]
+            out[s:e] = attend(q[s:e], ki, vi, L - (e - s) - first_block * bs, layer.scale, window,
+                              layer.logit_softcap, layer.sinks)  # fmt: skip
+        return out
+
     def rectangular(self, layer, q, meta: AttentionMetadata) -> torch.Tensor:
         """sendnn-inference's padded layout, run as the hardware runs it.
 
@@ -162,6 +189,42 @@ class TorchPagedAttention:
         out = torch.zeros((kv_heads, num_reqs, group, dim), device=q.device).index_add_(1, req, pv)
         out = out.div_(denom.unsqueeze(-1)).transpose(0, 1)  # [num_reqs, kv_heads, group, dim]
         return out.reshape(num_reqs, heads, dim).to(q.dtype)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float, window: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Eager attention with every option: q [n, heads, dim] at key positions first .. first + n - 1
+    (causal), over k, v [kv_heads, keys, dim]. A query at p sees keys p - window + 1 .. p; scores
+    are capped to softcap * tanh(score / softcap); a head's sink logit joins its softmax and is
+    dropped. Float32 throughout, in query blocks to bound the scores' memory."""
+    n, heads, dim = q.shape
+    kv_heads, keys, _ = k.shape
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    kf, vf = k.float(), v.float()
+    key_pos = torch.arange(keys, device=q.device)
+    for a in range(0, n, 256):
+        b = min(n, a + 256)
+        qb = q[a:b].float().view(b - a, kv_heads, group, dim).permute(1, 2, 0, 3)  # [kv_heads, group, m, dim]
+        scores = torch.matmul(qb, kf.transpose(1, 2).unsqueeze(1)).mul_(scale)  # [kv_heads, group, m, keys]
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        qpos = torch.arange(first + a, first + b, device=q.device)[:, None]
+        hidden = key_pos[None, :] > qpos
+        if window is not None:
+            hidden |= key_pos[None, :] <= qpos - window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(kv_heads, group, 1, 1).expand(kv_heads, group, b - a, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        p = scores.softmax(dim=-1)
+        if sinks is not None:
+            p = p[..., :-1]
+        o = torch.matmul(p, vf.unsqueeze(1))  # [kv_heads, group, m, dim]
+        out[a:b] = o.permute(2, 0, 1, 3).reshape(b - a, heads, dim).to(q.dtype)
+    return out
 
 
 def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

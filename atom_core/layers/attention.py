@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from atom_core.forward_context import get_forward_context
+from atom_core.layers.linear import shard_rows
 
 
 class Attention(nn.Module):
@@ -23,19 +24,42 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_id: int,
         attn_type: str = "mha",
+        *,
+        sliding_window: int | None = None,
+        sinks: bool = False,
+        logit_softcap: float | None = None,
     ):
+        """`sliding_window`: a query at position p sees keys p - window + 1 .. p (transformers'
+        rule; None: every earlier key). `sinks`: a learned logit per head (the `sinks` parameter,
+        loaded from the checkpoint) joins each softmax and is dropped (GPT-OSS).
+        `logit_softcap`: scores become cap * tanh(score / cap) before the softmax (Gemma 2)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {logit_softcap!r}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
         self.attn_type = attn_type
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # float32 whatever the model's dtype, as the softmax it joins
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if sinks else None
+        if self.sinks is not None:
+            shard_rows(self.sinks)  # tensor parallel: this rank's heads
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.impl = None
+
+    @property
+    def plain(self) -> bool:
+        """Causal attention over every earlier key, none of the options above: the fast paths' case."""
+        return self.sliding_window is None and self.sinks is None and self.logit_softcap is None
 
     @property
     def out_features(self) -> int:
@@ -54,7 +78,12 @@ class Attention(nn.Module):
         return out.reshape(n, self.num_heads * d)
 
     def extra_repr(self) -> str:
+        extra = "".join(
+            f", {name}={value}"
+            for name, value in (("sliding_window", self.sliding_window), ("logit_softcap", self.logit_softcap))
+            if value is not None
+        ) + (", sinks" if self.sinks is not None else "")
         return (
             f"type={self.attn_type}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, layer={self.layer_id}"
+            f"head_dim={self.head_dim}, layer={self.layer_id}{extra}"
         )
