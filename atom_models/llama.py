@@ -37,15 +37,24 @@ class LlamaAttention(nn.Module):
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = d = head_dim_of(cfg)
-        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias, o_bias = self.biases(cfg)
         # this rank's heads (all of them at one rank)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=bias)
-        self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id, attn_type="mha")
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=o_bias)
+        self.attn = Attention(
+            self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id, attn_type="mha",
+            sliding_window=sliding_window_of(cfg, layer_id),
+        )  # fmt: skip
         if self.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    @staticmethod
+    def biases(cfg: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, output bias): both `attention_bias` here (Qwen2 has the first only)."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
@@ -139,30 +148,24 @@ class LlamaModel(nn.Module):
         return h
 
 
-def sliding_window_of(cfg: Any) -> int | None:
-    """The attention window a config asks for, by transformers' rules (None: full attention).
+def sliding_window_of(cfg: Any, layer_id: int) -> int | None:
+    """Layer `layer_id`'s attention window by transformers' rules (None: full attention).
 
-    Mixtral sets `sliding_window` alone; Qwen3 also needs `use_sliding_window`, and
-    `layer_types` says which layers slide (`max_window_layers`).
+    Mistral and Phi-3 set `sliding_window` alone (every layer); Qwen2/Qwen3 also need
+    `use_sliding_window`; `layer_types` says which layers slide (Qwen's `max_window_layers`,
+    Gemma's and GPT-OSS's alternation), or older configs' `sliding_window_pattern` (every
+    pattern-th layer full).
     """
     window = getattr(cfg, "sliding_window", None)
     if window is None or getattr(cfg, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
+    if layer_types is not None:
+        return window if layer_types[layer_id] == "sliding_attention" else None
+    pattern = getattr(cfg, "sliding_window_pattern", None)
+    if pattern:
+        return window if (layer_id + 1) % pattern else None
     return window
-
-
-def check_full_attention(cfg: Any, atom_config: Any) -> None:
-    """Attention here is full causal: a windowed config runs only where the window never binds."""
-    window = sliding_window_of(cfg)
-    max_len = getattr(atom_config, "max_model_len", None)
-    if window is not None and (max_len is None or max_len > window):
-        raise ValueError(
-            f"sliding_window={window} is not supported (attention here is full causal); "
-            f"it is harmless only with max_model_len <= {window}, got max_model_len={max_len}"
-        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,7 +185,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, atom_config: Any = None):
         super().__init__()
-        check_full_attention(hf_config, atom_config)
         self.config = hf_config
         self.model = self.model_cls(hf_config)
         self.lm_head = lm_head(hf_config.vocab_size, hf_config.hidden_size)

@@ -53,6 +53,5 @@ def _qwen2_gguf_config(file: GGUFFile, config: dict) -> dict:
 
 
 GGUF_QWEN3 = GGUFArchitecture(qwen3_gguf_config, QWEN3_GGUF_TENSORS)
-# Qwen2 (q/k/v biases, no q/k norms) converts to a folder transformers runs; Atom registers
-# no Qwen2 model class yet.
+# Qwen2: q/k/v biases, no q/k norms (atom_models/qwen2.py)
 GGUF_QWEN2 = GGUFArchitecture(_qwen2_gguf_config, LLAMA_GGUF_TENSORS)

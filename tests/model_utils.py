@@ -75,6 +75,23 @@ ARCHS = {
             ),
         ),
     ),
+    "mistral": dict(  # a window shorter than the prompts: it binds, in prefill, decode and across chunks
+        cls="MistralForCausalLM",
+        config="MistralConfig",
+        kwargs=dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=24, tie_word_embeddings=False),
+    ),
+    "qwen2": dict(  # q/k/v biases; layer 0 attends fully, layer 1 slides (max_window_layers=1)
+        cls="Qwen2ForCausalLM",
+        config="Qwen2Config",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=20,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

@@ -31,6 +31,8 @@ from atom_core.runner.compile import MAX_TOKENS, CompiledForward, compile_model 
 # One arch per model class the atom_models plugin registers (test_families_cover_every_model_plugin).
 FAMILIES = [
     "llama",
+    "mistral",  # a sliding window that binds
+    "qwen2",
     "qwen3",
     "qwen3_moe",
     "mixtral",

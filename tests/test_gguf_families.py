@@ -1,5 +1,5 @@
 """GGUF files written by llama.cpp's own converter load in Atom, for every family Atom runs
-and llama.cpp writes: Llama (with Llama 3's rope scaling too), Qwen3, Qwen3-MoE, Mixtral,
+and llama.cpp writes: Llama (with Llama 3's rope scaling too), Qwen2, Qwen3, Qwen3-MoE, Mixtral,
 DeepSeek-V2 and -V3.
 
 Tiny random transformers models (tests/model_utils.py) are converted by
@@ -40,6 +40,7 @@ FAMILIES = {
     "llama": ("llama", {}, "f32"),  # Q/K rows permuted by the converter
     # Llama 3.1 / 3.2 rope scaling: the file keeps only the per-dimension factors (rope_freqs)
     "llama3_rope": ("llama_tied_rope3", {}, "f32"),
+    "qwen2": ("qwen2", dict(use_sliding_window=False), "f32"),  # q/k/v biases (llama.cpp keeps no window)
     "qwen3": ("qwen3", {}, "f32"),  # tied embeddings, head_dim != hidden / heads
     # llama.cpp's qwen3moe has no dense layers and always renormalises the top-k weights
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "f32"),

@@ -54,33 +54,24 @@ def test_sparse_and_dense_layers_sit_where_transformers_puts_them(tiny, monkeypa
             torch.testing.assert_close(experts.w2, hf_layer.mlp.experts.down_proj, rtol=0, atol=0)
 
 
-def test_mixtral_refuses_a_sliding_window_shorter_than_the_context():
-    from types import SimpleNamespace
+def windows(model) -> list:
+    return [m.sliding_window for m in model.modules() if hasattr(m, "sliding_window")]
 
+
+def test_mixtral_takes_its_sliding_window_on_every_layer():
     import transformers
 
     from atom_models.mixtral import MixtralForCausalLM
 
-    config = transformers.MixtralConfig(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=4,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=2,
-        sliding_window=64,
-    )
-    with pytest.raises(ValueError, match="sliding_window=64"):
-        MixtralForCausalLM(config, SimpleNamespace(max_model_len=128))
-    MixtralForCausalLM(config, SimpleNamespace(max_model_len=64))  # the window never bites
+    shapes = dict(vocab_size=16, hidden_size=8, intermediate_size=4, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, num_local_experts=2)  # fmt: skip
+    assert windows(MixtralForCausalLM(transformers.MixtralConfig(**shapes, sliding_window=64))) == [64, 64]
+    assert windows(MixtralForCausalLM(transformers.MixtralConfig(**shapes, sliding_window=None))) == [None, None]
 
 
 @pytest.mark.parametrize("arch", ["Qwen3", "Qwen3Moe"])
-def test_qwen3_refuses_sliding_layers_it_would_run_with_full_attention(arch):
-    """Qwen3's window applies when use_sliding_window is on and `layer_types` has sliding layers."""
-    from types import SimpleNamespace
-
+def test_qwen3_slides_the_layers_its_config_says(arch):
+    """Qwen3's window applies when use_sliding_window is on, on the layers `layer_types` marks."""
     import transformers
 
     import atom_models.qwen3  # noqa: F401
@@ -102,11 +93,9 @@ def test_qwen3_refuses_sliding_layers_it_would_run_with_full_attention(arch):
         shapes.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=4)
     config_cls = getattr(transformers, f"{arch}Config")
     sliding = config_cls(**shapes, use_sliding_window=True, max_window_layers=0)
-    with pytest.raises(ValueError, match="sliding_window=16 is not supported"):
-        model_cls(sliding, SimpleNamespace(max_model_len=128))
-    model_cls(sliding, SimpleNamespace(max_model_len=16))  # the window never bites
-    model_cls(config_cls(**shapes, use_sliding_window=False), SimpleNamespace(max_model_len=128))
-    if arch == "Qwen3":  # layers up to max_window_layers attend fully (Qwen3-MoE has no such split)
+    types = getattr(sliding, "layer_types", None) or ["sliding_attention"] * 2  # Qwen3-MoE: every layer
+    assert windows(model_cls(sliding)) == [16 if t == "sliding_attention" else None for t in types]
+    assert windows(model_cls(config_cls(**shapes, use_sliding_window=False))) == [None, None]
+    if arch == "Qwen3":  # layers up to max_window_layers attend fully
         full = config_cls(**shapes, use_sliding_window=True, max_window_layers=2)
-        assert "sliding_attention" not in full.layer_types
-        model_cls(full, SimpleNamespace(max_model_len=128))
+        assert windows(model_cls(full)) == [None, None]
