@@ -403,3 +403,12 @@ GGUF_DEEPSEEK2 = GGUFArchitecture(
     DEEPSEEK_GGUF_TENSORS,
     joined={"model.layers.{bid}.self_attn.kv_b_proj.weight": Joined((T.ATTN_K_B, T.ATTN_V_B), _join_kv_b)},
 )
+
+
+def kimi_k2_config(config: dict) -> Any:
+    """Kimi-K2's config.json (`model_type: kimi_k2`, which transformers does not map): DeepSeek-V3's
+    shape with one expert group, read as a `DeepseekV3Config`."""
+    from transformers import DeepseekV3Config
+
+    skipped = ("model_type", "auto_map", "transformers_version")
+    return DeepseekV3Config(**{k: v for k, v in config.items() if k not in skipped})

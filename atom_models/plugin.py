@@ -33,3 +33,8 @@ def atom_register_gguf_architectures(registry):
     registry.register("qwen3", "atom_models.qwen3:GGUF_QWEN3")
     registry.register("qwen3moe", "atom_models.qwen3_moe:GGUF_QWEN3_MOE")
     registry.register("deepseek2", "atom_models.deepseek_v2:GGUF_DEEPSEEK2")
+
+
+@hookimpl
+def atom_register_hf_configs(registry):
+    registry.register("kimi_k2", "atom_models.deepseek_v2:kimi_k2_config")

@@ -199,3 +199,27 @@ def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
     cfg = SimpleNamespace(n_routed_experts=8, first_k_dense_replace=3)  # V3: no moe_layer_freq
     assert [is_moe_layer(cfg, i) for i in range(5)] == [False, False, False, True, True]
     assert not is_moe_layer(SimpleNamespace(n_routed_experts=None), 5)
+
+
+def test_kimi_k2_checkpoints_read_as_deepseek_v3(tmp_path):
+    """Kimi-K2's config.json says `model_type: kimi_k2`, which transformers does not map: Atom
+    reads it as DeepSeek-V3's config (one expert group) and matches transformers' DeepSeek-V3."""
+    import json
+
+    from transformers import AutoConfig
+
+    folder = tmp_path / "kimi"
+    model = build_tiny_model("deepseek_v3", folder, n_group=1, topk_group=1)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "kimi_k2", "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError):  # what a user of transformers alone meets
+        AutoConfig.from_pretrained(folder)
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    assert type(engine.runner.model).__name__ == "DeepseekV3ForCausalLM"
+    prompts = random_prompts((5, 23, 47), seed=3)
+    results, logits = run_with_logits(engine, prompts)
+    for prompt, result, steps in zip(prompts, results, logits):
+        assert result["token_ids"] == hf_greedy(model, prompt, len(result["token_ids"]))
+        ref = hf_logits(model, prompt + result["token_ids"][:-1])[len(prompt) - 1 :]
+        torch.testing.assert_close(steps, ref, atol=1e-4, rtol=0)

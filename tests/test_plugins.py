@@ -54,6 +54,10 @@ class InProcessPlugin:
     def atom_register_distributed_executors(self, registry):
         registry.register("inproc", Constant)
 
+    @hookimpl
+    def atom_register_hf_configs(self, registry):
+        registry.register("inproc", Constant)
+
 
 class Constant:
     pass

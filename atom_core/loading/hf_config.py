@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,18 @@ def text_config_of(hf_config: Any) -> Any:
 
 
 def read_hf_config(folder: str | Path) -> Any:
+    """The folder's transformers config (its text model's); a `model_type` transformers does not
+    know is read by the reader a plugin registers under it ("hf_configs")."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    with open(Path(folder) / "config.json") as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        from atom_core.plugins.manager import get_registry
+
+        readers = get_registry("hf_configs")
+        if model_type in readers:
+            return text_config_of(readers.get(model_type)(raw))
     return text_config_of(AutoConfig.from_pretrained(folder))

@@ -95,3 +95,13 @@ def atom_register_distributed_executors(registry: PluginRegistry) -> None:
 
     Asked when an engine with `tensor_parallel_size > 1` starts; built as `cls(config, hf_config)`
     in rank 0's process, by `Config.distributed_executor`."""
+
+
+@hookspec
+def atom_register_hf_configs(registry: PluginRegistry) -> None:
+    """Register readers for checkpoints whose config.json names a `model_type` transformers does
+    not know, by that name: a function taking the config.json dict and returning a transformers
+    config, e.g. `registry.register("kimi_k2", "my_pkg.configs:kimi_k2_config")` (Kimi-K2's
+    checkpoints are DeepSeek-V3's shape under a name of their own).
+
+    Asked when a model folder's config.json is read and transformers refuses its model_type."""

@@ -35,6 +35,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "cpp_kernels": ("atom_register_cpp_kernels", "C++ kernel"),
     "structured_output_backends": ("atom_register_structured_output_backends", "structured-output backend"),
     "distributed_executors": ("atom_register_distributed_executors", "distributed executor"),
+    "hf_configs": ("atom_register_hf_configs", "checkpoint model_type"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None
