@@ -16,12 +16,13 @@ from atom_core.layers import (
     RMSNorm,
     RowParallelLinear,
     apply_rotary,
+    act_and_mul,
     compute_logits,
     get_rope,
     lm_head,
-    silu_and_mul,
     vocab_embedding,
 )
+from atom_core.layers.ops import GATED_ACTIVATIONS
 from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 
 
@@ -30,7 +31,8 @@ def head_dim_of(cfg: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    qk_norm = False
+    qk_norm = False  # an RMSNorm over each head's q and k before rope (Qwen3, Gemma 3)
+    norm_cls: type = RMSNorm
 
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
@@ -43,12 +45,22 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, bias=o_bias)
         self.attn = Attention(
-            self.num_heads, d, d**-0.5, self.num_kv_heads, layer_id, attn_type="mha",
-            sliding_window=sliding_window_of(cfg, layer_id),
+            self.num_heads, d, self.softmax_scale(cfg), self.num_kv_heads, layer_id, attn_type="mha",
+            **self.attention_options(cfg, layer_id),
         )  # fmt: skip
         if self.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = self.norm_cls(d, cfg.rms_norm_eps)
+            self.k_norm = self.norm_cls(d, cfg.rms_norm_eps)
+
+    @staticmethod
+    def softmax_scale(cfg: Any) -> float:
+        return head_dim_of(cfg) ** -0.5
+
+    @staticmethod
+    def attention_options(cfg: Any, layer_id: int) -> dict[str, Any]:
+        """The `Attention` options of layer `layer_id`: its sliding window here; a family adds
+        soft-capping or sinks."""
+        return {"sliding_window": sliding_window_of(cfg, layer_id)}
 
     @staticmethod
     def biases(cfg: Any) -> tuple[bool, bool]:
@@ -73,10 +85,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """The gated SiLU feed-forward every family here uses (shared experts and dense layers too)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, reduce_results: bool = True):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, reduce_results: bool = True,
+        activation: str = "silu",
+    ):  # fmt: skip
         """`reduce_results=False`: the caller sums the tensor-parallel ranks' outputs (a MoE block's
-        shared expert, in one all-reduce with the routed experts)."""
+        shared expert, in one all-reduce with the routed experts). `activation`: the gate's
+        (`act_and_mul`: SiLU, or GELU for Gemma's GeGLU)."""
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
+        self.activation = activation
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
         )
@@ -84,13 +103,11 @@ class LlamaMLP(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: Any) -> LlamaMLP:
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported by this model; only 'silu'")
-        return cls(cfg.hidden_size, cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False)))
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        return cls(cfg.hidden_size, cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False)), activation=act)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(act_and_mul(self.gate_up_proj(h), self.activation))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,7 +148,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = get_rope(cfg, self.rope_dim(cfg), cfg.max_position_embeddings)
+        self.rotary_emb = self.make_rotary(cfg)
+
+    def make_rotary(self, cfg: Any) -> nn.Module:
+        """The rotary table every layer shares (a family with rope per layer type returns several)."""
+        return get_rope(cfg, self.rope_dim(cfg), cfg.max_position_embeddings)
 
     @staticmethod
     def rope_dim(cfg: Any) -> int:

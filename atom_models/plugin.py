@@ -8,6 +8,8 @@ from atom_core.plugin_api import hookimpl
 def atom_register_models(registry):
     registry.register("LlamaForCausalLM", "atom_models.llama:LlamaForCausalLM")
     registry.register("MistralForCausalLM", "atom_models.mistral:MistralForCausalLM")
+    registry.register("Gemma2ForCausalLM", "atom_models.gemma:Gemma2ForCausalLM")
+    registry.register("Gemma3ForCausalLM", "atom_models.gemma:Gemma3ForCausalLM")
     registry.register("Qwen2ForCausalLM", "atom_models.qwen2:Qwen2ForCausalLM")
     registry.register("Qwen3ForCausalLM", "atom_models.qwen3:Qwen3ForCausalLM")
     registry.register("Qwen3MoeForCausalLM", "atom_models.qwen3_moe:Qwen3MoeForCausalLM")

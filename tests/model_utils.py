@@ -92,6 +92,25 @@ ARCHS = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma2": dict(  # soft-capped attention and logits; sliding and full layers alternate; GeGLU
+        cls="Gemma2ForCausalLM",
+        config="Gemma2Config",
+        kwargs=dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=24
+        ),  # fmt: skip
+    ),
+    "gemma3": dict(  # per-head q/k norms; each layer type ropes with its own base
+        cls="Gemma3ForCausalLM",
+        config="Gemma3TextConfig",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+        ),  # fmt: skip
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

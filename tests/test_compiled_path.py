@@ -33,6 +33,8 @@ FAMILIES = [
     "llama",
     "mistral",  # a sliding window that binds
     "qwen2",
+    "gemma2",  # soft-capped attention and logits
+    "gemma3",  # rope per layer type
     "qwen3",
     "qwen3_moe",
     "mixtral",

@@ -21,7 +21,14 @@ from atom_core.layers.linear import (
 from atom_core.layers.mla import MLAAttention
 from atom_core.layers.moe import FusedMoE, register_router, select_experts
 from atom_core.layers.norm import RMSNorm
-from atom_core.layers.ops import add_rms_norm, apply_rotary, apply_rotary_interleaved, rms_norm, silu_and_mul
+from atom_core.layers.ops import (
+    act_and_mul,
+    add_rms_norm,
+    apply_rotary,
+    apply_rotary_interleaved,
+    rms_norm,
+    silu_and_mul,
+)
 from atom_core.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
     "RowParallelLinear",
+    "act_and_mul",
     "all_gather",
     "all_reduce",
     "compute_logits",

@@ -68,6 +68,19 @@ def torch_vector_bytes() -> int | None:
     return {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
 
 
+# transformers' `hidden_act` names of the gated activations `act_and_mul` takes
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh", "gelu")
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x = [gate | up] on the last dim -> act(gate) * up: SiLU (`silu_and_mul`), or GELU exact
+    ("gelu") or tanh-approximated ("gelu_pytorch_tanh", Gemma's GeGLU)."""
+    if activation == "silu":
+        return silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="none" if activation == "gelu" else "tanh") * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last dim -> silu(gate) * up, bit for bit `F.silu(gate) * up`.
 

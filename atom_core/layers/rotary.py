@@ -13,10 +13,17 @@ import torch
 from torch import nn
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """One dict whatever the config's age: transformers 5 `rope_parameters`, or older
-    top-level `rope_theta` + `rope_scaling`."""
+    top-level `rope_theta` + `rope_scaling`. Where `rope_parameters` is keyed by layer type
+    (Gemma 3: "sliding_attention", "full_attention"), `layer_type`'s."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        if layer_type not in params:
+            raise ValueError(
+                f"rope_parameters are keyed by layer type ({', '.join(params)}); the model asked for {layer_type!r}"
+            )
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     for k, v in scaling.items():
         params.setdefault(k, v)
@@ -124,8 +131,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1)
 
 
-def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
-    p = rope_parameters(hf_config)
+def get_rope(hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary table of `hf_config` (of its `layer_type`'s parameters where they differ by layer)."""
+    p = rope_parameters(hf_config, layer_type)
     kind = p["rope_type"]
     if kind not in INV_FREQ_SCALERS:
         raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(INV_FREQ_SCALERS)}")

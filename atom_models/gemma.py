@@ -1,0 +1,136 @@
+"""Gemma 2 and Gemma 3 (text): Llama's attention and MLP with Gemma's differences.
+
+- RMSNorms scale by (1 + weight), and each layer has four: before and after attention, before
+  and after the MLP.
+- The MLP is GeGLU (`hidden_activation`, tanh-approximated GELU).
+- The embedding is scaled by sqrt(hidden_size), in the model's dtype.
+- Queries are scaled by `query_pre_attn_scalar ** -0.5`.
+- Sliding and full layers alternate (`layer_types`).
+- Gemma 2 soft-caps attention scores and the final logits.
+- Gemma 3 normalises each head's q and k, and ropes each layer type with its own parameters
+  (`rope_parameters` keyed by layer type).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from atom_core.layers import RMSNorm, get_rope
+from atom_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, sliding_window_of
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight): the checkpoint's weight is an offset from one. Stored as
+    1 + weight once loaded, so the shared RMSNorm kernels (and their fused add) run it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()  # an offset: zero is the identity, as transformers initialises it
+        self._offset_applied = False
+
+    def process_weights_after_loading(self) -> None:
+        if not self._offset_applied:
+            with torch.no_grad():
+                self.weight.add_(1.0)
+            self._offset_applied = True
+
+
+class GemmaAttention(LlamaAttention):
+    norm_cls = GemmaRMSNorm
+
+    @staticmethod
+    def softmax_scale(cfg: Any) -> float:
+        return cfg.query_pre_attn_scalar**-0.5
+
+    @staticmethod
+    def attention_options(cfg: Any, layer_id: int) -> dict[str, Any]:
+        return {
+            "sliding_window": sliding_window_of(cfg, layer_id),
+            "logit_softcap": getattr(cfg, "attn_logit_softcapping", None),
+        }
+
+
+class Gemma3Attention(GemmaAttention):
+    qk_norm = True
+
+
+class GemmaDecoderLayer(nn.Module):
+    attention_cls: type = GemmaAttention
+
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_id]
+        self.self_attn = self.attention_cls(cfg, layer_id)
+        self.mlp = LlamaMLP.from_config(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaDecoderLayer.forward`'s contract: the stream is h + residual (h alone in the
+        first layer); returns (the MLP's normed output, the stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3DecoderLayer(GemmaDecoderLayer):
+    attention_cls = Gemma3Attention
+
+
+class GemmaModel(LlamaModel):
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.embed_scale = cfg.hidden_size**0.5
+
+    def make_rotary(self, cfg: Any) -> nn.Module:
+        """One table per layer type: Gemma 3's sliding and full layers rope with different bases."""
+        dim, max_pos = self.rope_dim(cfg), cfg.max_position_embeddings
+        keyed = all(isinstance(v, dict) for v in (getattr(cfg, "rope_parameters", None) or {"": 0}).values())
+        return nn.ModuleDict(
+            {t: get_rope(cfg, dim, max_pos, t if keyed else None) for t in sorted(set(cfg.layer_types))}
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model's dtype, as transformers does
+        ropes = {t: rope(positions, h.dtype) for t, rope in self.rotary_emb.items()}
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, *ropes[layer.layer_type])
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class Gemma3Model(GemmaModel):
+    layer_cls = Gemma3DecoderLayer
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    model_cls = GemmaModel
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:  # cap * tanh(logits / cap), in float32
+            logits = logits.float().div_(cap).tanh_().mul_(cap).to(logits.dtype)
+        return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    model_cls = Gemma3Model
