@@ -16,10 +16,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gguf import MODEL_TENSOR as T
+from gguf import Keys
 from torch import nn
 
 from atom_core.layers import RMSNorm, get_rope
-from atom_models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, sliding_window_of
+from atom_core.plugin_api import GGUFArchitecture, GGUFFile, Joined
+from atom_models.llama import (
+    LLAMA_GGUF_TENSORS,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    sliding_window_of,
+)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -134,3 +144,59 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
+
+
+# --- GGUF (atom_core/loading/gguf/architecture.py): llama.cpp's "gemma3" ---------------------------------------
+
+_NORMS = {  # llama.cpp stores every Gemma norm as 1 + weight; transformers' weight is the offset
+    T.OUTPUT_NORM: "model.norm.weight",
+    T.ATTN_NORM: "model.layers.{bid}.input_layernorm.weight",
+    T.ATTN_POST_NORM: "model.layers.{bid}.post_attention_layernorm.weight",
+    T.FFN_NORM: "model.layers.{bid}.pre_feedforward_layernorm.weight",
+    T.FFN_POST_NORM: "model.layers.{bid}.post_feedforward_layernorm.weight",
+    T.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm.weight",
+    T.ATTN_K_NORM: "model.layers.{bid}.self_attn.k_norm.weight",
+}
+GEMMA3_GGUF_TENSORS = {kind: name for kind, name in LLAMA_GGUF_TENSORS.items() if kind not in _NORMS}
+# Every 6th layer attends fully (llama.cpp's `set_swa_pattern(6)` for gemma3); its sliding
+# layers rope with base 10000 whatever the file says for the full ones.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_SLIDING_ROPE_THETA = 10000.0
+
+
+def _minus_one(config: dict, weight: Any) -> Any:
+    return weight - 1
+
+
+def _gguf_gemma3_config(file: GGUFFile, config: dict) -> dict:
+    heads = config["num_attention_heads"]
+    head_dim = int(file.get(Keys.Attention.KEY_LENGTH, config["hidden_size"] // heads))
+    layers = config["num_hidden_layers"]
+    return config | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_key_value_heads": int(file.get(Keys.Attention.HEAD_COUNT_KV, heads)),
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,  # llama.cpp scales queries by head_dim ** -0.5 (270M to 12B)
+        "intermediate_size": int(file.get(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(file.get(Keys.Attention.SLIDING_WINDOW, required=True)),
+        "layer_types": [
+            "full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(layers)
+        ],
+        "rope_parameters": {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_SLIDING_ROPE_THETA},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+    }
+
+
+GGUF_GEMMA3 = GGUFArchitecture(
+    _gguf_gemma3_config,
+    GEMMA3_GGUF_TENSORS,
+    joined={name: Joined((kind,), _minus_one) for kind, name in _NORMS.items()},
+)
