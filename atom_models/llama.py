@@ -23,11 +23,27 @@ from atom_core.layers import (
     vocab_embedding,
 )
 from atom_core.layers.ops import GATED_ACTIVATIONS
+from atom_core.layers.rotary import rope_parameters
 from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 
 
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def partial_rope_dim(cfg: Any) -> int:
+    """Rope rotates the first `partial_rotary_factor` of each attention head (all of it by default)."""
+    factor = rope_parameters(cfg, _any_layer_type(cfg)).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(cfg, "partial_rotary_factor", None)
+    return int(head_dim_of(cfg) * (factor or 1.0))
+
+
+def _any_layer_type(cfg: Any) -> str | None:
+    """A layer type to read rope parameters keyed by type from (the rotary share is common to all)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    keyed = params and all(isinstance(v, dict) for v in params.values())
+    return next(iter(params)) if keyed else None
 
 
 class LlamaAttention(nn.Module):
@@ -51,6 +67,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = self.norm_cls(d, cfg.rms_norm_eps)
             self.k_norm = self.norm_cls(d, cfg.rms_norm_eps)
+        self.rope_dim = partial_rope_dim(cfg)
 
     @staticmethod
     def softmax_scale(cfg: Any) -> float:
@@ -73,13 +90,22 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)
         nq, nkv = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nkv) * d :]
-        if self.qk_norm:
+        if self.rope_dim < d:  # partial rotary: the first rope_dim values of each head turn
+            q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._partial_rope(q, cos, sin), self._partial_rope(k, cos, sin)
+        elif self.qk_norm:
             q = apply_rotary(self.q_norm(qkv[:, : nq * d].view(n, nq, d)), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)), cos, sin)
         else:  # q and k sit side by side in the fused output: rotate both at once
             qk = apply_rotary(qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
         return self.o_proj(self.attn(q, k, v))
+
+    def _partial_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dim
+        return torch.cat((apply_rotary(x[..., :r].contiguous(), cos, sin), x[..., r:]), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -156,8 +182,8 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def rope_dim(cfg: Any) -> int:
-        """How many dimensions of a head rope rotates (all of them here)."""
-        return head_dim_of(cfg)
+        """How many dimensions of a head rope rotates (`partial_rotary_factor` of it)."""
+        return partial_rope_dim(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

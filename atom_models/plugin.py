@@ -8,6 +8,7 @@ from atom_core.plugin_api import hookimpl
 def atom_register_models(registry):
     registry.register("LlamaForCausalLM", "atom_models.llama:LlamaForCausalLM")
     registry.register("MistralForCausalLM", "atom_models.mistral:MistralForCausalLM")
+    registry.register("Phi3ForCausalLM", "atom_models.phi3:Phi3ForCausalLM")
     registry.register("Gemma2ForCausalLM", "atom_models.gemma:Gemma2ForCausalLM")
     registry.register("Gemma3ForCausalLM", "atom_models.gemma:Gemma3ForCausalLM")
     registry.register("Qwen2ForCausalLM", "atom_models.qwen2:Qwen2ForCausalLM")

@@ -29,9 +29,8 @@ from atom_core.layers import (
     get_tp_group,
     shard_rows,
 )
-from atom_core.layers.rotary import rope_parameters
 from atom_core.plugin_api import SKIP, get_forward_context
-from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, partial_rope_dim
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock
 
@@ -190,13 +189,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             f"type={self.attn_type}, k_heads={self.num_k_heads}, v_heads={self.num_v_heads}, "
             f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, layer={self.layer_id}"
         )
-
-
-def partial_rope_dim(cfg: Any) -> int:
-    """Rope rotates the first `partial_rotary_factor` of each attention head."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    factor = rope_parameters(cfg).get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    return int(head_dim * (factor or 1.0))
 
 
 class Qwen3NextAttention(nn.Module):

@@ -111,6 +111,27 @@ ARCHS = {
             layer_types=["sliding_attention", "full_attention"],
         ),  # fmt: skip
     ),
+    "phi3": dict(  # fused qkv / gate_up on disk, half the head rotated, LongRoPE within its original context
+        cls="Phi3ForCausalLM",
+        config="Phi3Config",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=24,
+            original_max_position_embeddings=256,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0 + 0.25 * i for i in range(4)],
+                long_factor=[2.0 + i for i in range(4)],
+            ),
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+        ),
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

@@ -35,6 +35,7 @@ FAMILIES = [
     "qwen2",
     "gemma2",  # soft-capped attention and logits
     "gemma3",  # rope per layer type
+    "phi3",  # partial rotary, LongRoPE
     "qwen3",
     "qwen3_moe",
     "mixtral",

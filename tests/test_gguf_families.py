@@ -166,7 +166,7 @@ def test_a_plugin_adds_a_gguf_architecture(converted, tmp_path, plugin_manager):
     _, llama_path = converted["llama"]
     path = tmp_path / "fork.gguf"
     _rename_architecture(llama_path, path, "llamafork")
-    with pytest.raises(ValueError, match=r"'llamafork'.*deepseek2, llama, qwen2, qwen3, qwen3moe") as e:
+    with pytest.raises(ValueError, match=r"'llamafork'.*deepseek2, gemma3, llama, qwen2, qwen3, qwen3moe") as e:
         load_gguf(path)
     assert "atom_register_gguf_architectures" in str(e.value)
 

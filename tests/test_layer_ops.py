@@ -176,3 +176,27 @@ def test_near_max_matches_its_torch_definition(native):
     assert (rows.tolist(), cols.tolist()) == ([0, 0, 0], [3, 20, 33])
     want = reference(x, torch.zeros(4), 0.0)
     assert rows.tolist() == want[0].tolist() and cols.tolist() == want[1].tolist()
+
+
+def test_longrope_takes_the_long_factors_past_the_original_context():
+    """Phi-3's LongRoPE: positions within `original_max_position_embeddings` rotate with the short
+    factors, later ones with the long; both tables scaled by sqrt(1 + ln(factor) / ln(original))."""
+    import math
+
+    import transformers
+
+    from atom_core.layers.rotary import get_rope
+
+    short, long = [1.0, 1.5, 2.0, 4.0], [3.0, 5.0, 7.0, 9.0]
+    cfg = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=64, original_max_position_embeddings=16,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=short, long_factor=long),
+    )  # fmt: skip
+    rope = get_rope(cfg, 8, 64)
+    scale = math.sqrt(1 + math.log(64 / 16) / math.log(16))
+    base = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    for p, factors in ((3, short), (15, short), (16, long), (40, long)):
+        freqs = p * base / torch.tensor(factors)
+        want = torch.cat((freqs, freqs)).cos() * scale
+        torch.testing.assert_close(rope.cos[p], want, rtol=1e-5, atol=1e-6)

@@ -153,13 +153,32 @@ class MergedLinear(Linear):
         if bias:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> set | None:
+        """Copy checkpoint tensor `loaded` of `shard` into its rows. `shard=None`: a tensor already
+        fused on disk (Phi-3's `qkv_proj`, `gate_up_proj`), every shard's rows in order; returns
+        the shards it filled."""
+        if shard is None:
+            return self.load_fused(param, loaded)
         offset, size = self.shard_offsets[shard]
         if loaded.shape[0] != size:
             raise ValueError(
                 f"shard {shard!r} expects {size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
             )
         param.data[offset : offset + size].copy_(loaded)
+
+    def load_fused(self, param: nn.Parameter, loaded: Any) -> set:
+        whole = getattr(self, "whole_sizes", {k: size for k, (_, size) in self.shard_offsets.items()})
+        order = sorted(self.shard_offsets, key=lambda k: self.shard_offsets[k][0])
+        if loaded.shape[0] != sum(whole[k] for k in order):
+            raise ValueError(
+                f"a fused tensor of shards {', '.join(order)} expects {sum(whole[k] for k in order)} rows, "
+                f"the checkpoint tensor has shape {tuple(loaded.shape)}"
+            )
+        start = 0
+        for k in order:
+            self.weight_loader(param, materialize(loaded.narrow(0, start, whole[k])), k)
+            start += whole[k]
+        return set(order)
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s for _, s in self.shard_offsets.values()], dim=-1))
@@ -241,8 +260,10 @@ class MergedColumnParallelLinear(MergedLinear):
         """Where this rank's part of `shard` starts in the checkpoint tensor."""
         return 0 if shard in self.replicated else self.tp_rank * self.shard_offsets[shard][1]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
-        super().weight_loader(param, materialize(self.rank_part(loaded, shard)), shard)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> set | None:
+        if shard is None:
+            return self.load_fused(param, loaded)
+        return super().weight_loader(param, materialize(self.rank_part(loaded, shard)), shard)
 
     def rank_part(self, loaded: Any, shard: str, is_bias: bool = False) -> Any:
         """This rank's part of `shard` (a whole checkpoint tensor, `CheckpointSlice` or GGUF's blocks)."""

@@ -76,8 +76,25 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], factors: str = "short_factor") -> torch.Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor (`short_factor` within the
+    original context, `long_factor` past it)."""
+    ext = torch.tensor(p[factors], dtype=torch.float32)
+    if ext.numel() != inv_freq.numel():
+        raise ValueError(f"rope {factors} holds {ext.numel()} factors; a rotary dimension takes {inv_freq.numel()}")
+    return inv_freq / ext
+
+
 def attention_factor(p: dict[str, Any]) -> float:
-    """What a rope type multiplies cos and sin by (YaRN's mscale ratio; 1 elsewhere)."""
+    """What a rope type multiplies cos and sin by (YaRN's mscale ratio, LongRoPE's
+    sqrt(1 + ln(factor) / ln(original length)); 1 elsewhere)."""
+    if p["rope_type"] == "longrope":
+        if p.get("attention_factor") is not None:
+            return float(p["attention_factor"])
+        factor = p["factor"]
+        return (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(p["original_max_position_embeddings"]))
+        )
     if p["rope_type"] != "yarn":
         return 1.0
     if p.get("attention_factor") is not None:
@@ -89,7 +106,10 @@ def attention_factor(p: dict[str, Any]) -> float:
 
 
 # rope_type -> how it rescales the default inverse frequencies
-INV_FREQ_SCALERS = {"default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq, "yarn": _yarn_inv_freq}
+INV_FREQ_SCALERS = {
+    "default": None, "llama3": _llama3_inv_freq, "linear": _linear_inv_freq, "yarn": _yarn_inv_freq,
+    "longrope": _longrope_inv_freq,
+}  # fmt: skip
 
 
 class RotaryEmbedding(nn.Module):
@@ -137,9 +157,12 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int, layer_type: str |
     kind = p["rope_type"]
     if kind not in INV_FREQ_SCALERS:
         raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(INV_FREQ_SCALERS)}")
-    if kind == "yarn" and p.get("factor") is None:  # DeepSeek-V3 style: implied by the two lengths
-        p["factor"] = hf_config.max_position_embeddings / p["original_max_position_embeddings"]
-    return RotaryEmbedding(
+    if kind in ("yarn", "longrope") and (p.get("factor") is None or kind == "longrope"):
+        # implied by the two lengths (DeepSeek-V3's yarn; Phi-3's LongRoPE always)
+        original = p.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+        p["original_max_position_embeddings"] = original
+        p["factor"] = hf_config.max_position_embeddings / original
+    rope = RotaryEmbedding(
         head_dim,
         max_position,
         float(p["rope_theta"]),
@@ -148,3 +171,15 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int, layer_type: str |
         scaling=attention_factor(p),
         freq_factors=getattr(hf_config, "rope_freq_factors", None),
     )
+    original = p.get("original_max_position_embeddings") or max_position
+    if kind == "longrope" and max_position > original:
+        # Positions past the original context take the long factors. transformers switches a
+        # whole sequence to them once it grows past that length; per position, the keys
+        # already cached keep the rotation they were written with.
+        long = RotaryEmbedding(
+            head_dim, max_position, float(p["rope_theta"]), lambda f, q: _longrope_inv_freq(f, q, "long_factor"), p,
+            scaling=attention_factor(p),
+        )  # fmt: skip
+        rope.cos[original:] = long.cos[original:]
+        rope.sin_signed[original:] = long.sin_signed[original:]
+    return rope

@@ -84,10 +84,13 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
                         param.data.copy_(materialize(tensor))
                 else:
                     try:
-                        # set by the layer (MergedLinear, FusedMoE); torch's Parameter stubs do not declare it
-                        param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+                        # set by the layer (MergedLinear, FusedMoE); torch's Parameter stubs do not declare it;
+                        # a tensor fused on disk says which shards it filled
+                        filled = param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
                     except ValueError as e:
                         raise ValueError(f"checkpoint tensor {name!r} ({path.name}): {e}") from e
+                    if filled:
+                        loaded.setdefault(id(param), set()).update(filled)
                 loaded.setdefault(id(param), set()).add(shard)
     missing = []
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
