@@ -165,6 +165,7 @@ class MergedLinear(Linear):
                 f"shard {shard!r} expects {size} rows, the checkpoint tensor has shape {tuple(loaded.shape)}"
             )
         param.data[offset : offset + size].copy_(loaded)
+        return None
 
     def load_fused(self, param: nn.Parameter, loaded: Any) -> set:
         whole = getattr(self, "whole_sizes", {k: size for k, (_, size) in self.shard_offsets.items()})
