@@ -132,6 +132,22 @@ ARCHS = {
             bos_token_id=1,
         ),
     ),
+    "gpt_oss": dict(  # sinks, sliding (24) and full layers, q/k/v/o biases, YaRN; biased experts, clamped SwiGLU
+        cls="GptOssForCausalLM",
+        config="GptOssConfig",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            swiglu_limit=2.0,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
+        bf16_routing_flips=True,
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

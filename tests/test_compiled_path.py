@@ -36,6 +36,7 @@ FAMILIES = [
     "gemma2",  # soft-capped attention and logits
     "gemma3",  # rope per layer type
     "phi3",  # partial rotary, LongRoPE
+    "gpt_oss",  # sinks, biased experts
     "qwen3",
     "qwen3_moe",
     "mixtral",

@@ -99,3 +99,42 @@ def test_qwen3_slides_the_layers_its_config_says(arch):
     if arch == "Qwen3":  # layers up to max_window_layers attend fully
         full = config_cls(**shapes, use_sliding_window=True, max_window_layers=2)
         assert windows(model_cls(full)) == [None, None]
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
+    """Released GPT-OSS checkpoints store experts as MXFP4 blocks and E8M0 scales: Atom
+    dequantizes them at load to exactly what transformers' own conversion gives, then
+    de-interleaves gate and up into its stacked experts."""
+    from model_utils import build_tiny_model
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from atom_core import SamplingParams
+    from atom_core.engine.llm_engine import LLMEngine
+    from atom_models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (3, 8, 2), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [experts, in, out]
+    assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), want)
+
+    folder = tmp_path / "gpt_oss"
+    build_tiny_model("gpt_oss", folder, hidden_size=64, intermediate_size=32, num_local_experts=4)
+    [path] = list(folder.glob("*.safetensors"))
+    tensors = load_file(path)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    e, h, two_i = tensors[name].shape
+    packed_blocks = torch.randint(0, 256, (e, two_i, h // 32, 16), generator=g, dtype=torch.uint8)
+    packed_scales = torch.randint(122, 128, (e, two_i, h // 32), generator=g, dtype=torch.uint8)
+    del tensors[name]
+    tensors[name + "_blocks"], tensors[name + "_scales"] = packed_blocks, packed_scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    w13 = engine.runner.model.model.layers[0].mlp.experts.w13  # biased experts keep their stacks
+    dense = convert_moe_packed_tensors(packed_blocks, packed_scales, dtype=torch.float32)  # [e, H, 2I], interleaved
+    for x in range(e):
+        assert torch.equal(w13[x, : two_i // 2], dense[x][:, 0::2].T)
+        assert torch.equal(w13[x, two_i // 2 :], dense[x][:, 1::2].T)
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4

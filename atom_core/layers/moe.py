@@ -44,6 +44,8 @@ from atom_core.platform.cpu_features import cpu_features
 
 __all__ = ["FusedMoE", "ExpertNameMapper", "ROUTERS", "register_router", "select_experts"]
 
+ACTIVATIONS = ("silu", "swigluoai")
+
 # Hub expert names -> our shard kinds.
 QWEN_EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # Qwen-MoE, DeepSeek
 MIXTRAL_EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -95,11 +97,18 @@ class FusedMoE(nn.Module):
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
-        reduce_results: bool = True,
+        reduce_results: bool = True, bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
     ):  # fmt: skip
+        """`activation`: "silu" (gate and up: silu(gate) * up), or "swigluoai" (GPT-OSS: gate
+        clamped above at `swiglu_limit`, up clamped to +-limit, (up + 1) * gate * sigmoid(alpha *
+        gate)). `bias`: each expert's gate/up and down projections add a bias (GPT-OSS); the
+        C++ loop takes neither, so such experts run the per-expert path."""
         super().__init__()
-        if activation != "silu":
-            raise ValueError(f"activation {activation!r} is not supported by FusedMoE; only 'silu'")
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} is not supported by FusedMoE; supported: {', '.join(ACTIVATIONS)}"
+            )
+        self.activation, self.swiglu_limit, self.swiglu_alpha = activation, swiglu_limit, swiglu_alpha
         tp = get_tp_group()
         self.tp_rank, self.tp_size, self.reduce_results = tp.rank, tp.world_size, reduce_results
         # Tensor parallel: each rank holds every expert's slice of the intermediate size, or
@@ -116,13 +125,19 @@ class FusedMoE(nn.Module):
         e_local = self.num_local_experts
         self.w13 = nn.Parameter(torch.empty(e_local, 2 * i, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e_local, hidden_size, i), requires_grad=False)
-        # shard -> (parameter, first row, rows): every local expert's three tensors must arrive
+        self.w13_bias = nn.Parameter(torch.zeros(e_local, 2 * i), requires_grad=False) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(e_local, hidden_size), requires_grad=False) if bias else None
+        # shard -> (parameter, first row, rows): every local expert's tensors must arrive
         self.shard_offsets: dict[tuple[str, int], tuple[str, int, int]] = {}
         for e in range(self.first_expert, self.first_expert + e_local):
             self.shard_offsets[("gate", e)] = ("w13", 0, i)
             self.shard_offsets[("up", e)] = ("w13", i, i)
             self.shard_offsets[("down", e)] = ("w2", 0, hidden_size)
-        for name in ("w13", "w2"):
+            if bias:
+                self.shard_offsets[("gate_bias", e)] = ("w13_bias", 0, i)
+                self.shard_offsets[("up_bias", e)] = ("w13_bias", i, i)
+                self.shard_offsets[("down_bias", e)] = ("w2_bias", 0, hidden_size)
+        for name in ("w13", "w2") + (("w13_bias", "w2_bias") if bias else ()):
             param = getattr(self, name)
             param.weight_loader = self.weight_loader
             if tp.world_size > 1:  # a slice of each expert, or only this rank's experts, read
@@ -158,8 +173,22 @@ class FusedMoE(nn.Module):
                 return None
             raise ValueError(f"FusedMoE with {self.num_experts} experts has no shard {shard!r}")
         name, _, rows = self.shard_offsets[shard]
-        split = 1 if name == "w2" else 0  # the intermediate dimension
+        split_here = self.tp_size > 1 and not self.expert_parallel
         size = self.intermediate_size
+        if name == "w2_bias":  # added once over the ranks that split the expert
+            if list(loaded.shape) != [rows]:
+                raise ValueError(
+                    f"expert {shard[1]} down bias expects {rows} values, the checkpoint has {tuple(loaded.shape)}"
+                )
+            return loaded if not split_here or self.tp_rank == 0 else torch.zeros(rows)
+        if name == "w13_bias":
+            whole_rows = rows * (self.tp_size if split_here else 1)
+            if list(loaded.shape) != [whole_rows]:
+                raise ValueError(
+                    f"expert {shard[1]} {shard[0]} expects {whole_rows} values, the checkpoint has {tuple(loaded.shape)}"
+                )
+            return loaded.narrow(0, self.tp_rank * size, size) if split_here else loaded
+        split = 1 if name == "w2" else 0  # the intermediate dimension
         whole = [rows, self.hidden_size if name == "w13" else size]
         whole[split] *= self.tp_size if not self.expert_parallel else 1
         if list(loaded.shape) != whole:
@@ -194,6 +223,8 @@ class FusedMoE(nn.Module):
             return
         if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16):
             return
+        if self.activation != "silu" or self.w13_bias is not None:
+            return  # the C++ loop runs SiLU without biases: the per-expert path runs these
         if self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
             # oneDNN has no bfloat16 kernels here (no AVX-512): each expert's own streaming
             # kernel, which keeps the weights in bfloat16 (`pick_gemm`), where it builds
@@ -248,11 +279,21 @@ class FusedMoE(nn.Module):
             if n:
                 end = start + n
                 (gemm13, w13), (gemm2, w2) = self._expert_gemms(e)
-                out[start:end] = gemm2(silu_and_mul(gemm13(x[start:end], w13, None)), w2, None)
+                b13, b2 = (None, None) if self.w13_bias is None else (self.w13_bias[e], self.w2_bias[e])
+                out[start:end] = gemm2(self._activate(gemm13(x[start:end], w13, b13)), w2, b2)
                 start = end
         weighted = out.to(torch.float32).mul_(weights[order].unsqueeze(1))
         acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden.device)
         return acc.index_add_(0, token_of, weighted).to(hidden.dtype)
+
+    def _activate(self, h13: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return silu_and_mul(h13)
+        gate, up = h13.chunk(2, dim=-1)  # GPT-OSS's clamped SwiGLU
+        limit = self.swiglu_limit
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def _expert_gemms(self, e: int) -> tuple[tuple, tuple]:
         """Expert e's ((gemm, weight) for w13, (gemm, weight) for w2): its quantized kernels, or

@@ -1,0 +1,150 @@
+"""GPT-OSS: Llama-shaped layers with these differences.
+
+- Attention: q/k/v/o biases, attention sinks (a learned logit per head that joins the
+  softmax), sliding (128) and full layers alternating (`layer_types`), YaRN rope.
+- Router: a linear layer with a bias; the top k of its logits, then a softmax over those k.
+- Experts: biases on both projections, and the clamped SwiGLU, (up + 1) * gate *
+  sigmoid(1.702 gate). On disk gate and up are interleaved in one 3-D tensor per layer
+  (`experts.gate_up_proj` [experts, hidden, 2 x intermediate], input-major).
+
+Released checkpoints store the experts in MXFP4: 4-bit E2M1 values in blocks of 32 with an
+E8M0 scale each (`*_blocks`, `*_scales`). They are dequantized at load, and the log says so;
+keeping MXFP4 is later work.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_core.layers import FusedMoE
+from atom_core.layers.checkpoint_slice import materialize
+from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, sliding_window_of
+
+logger = logging.getLogger("atom")
+
+# E2M1's sixteen values, by their 4-bit code
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., rows, groups, 16] uint8 (two codes a byte, low nibble first) and [..., rows, groups]
+    uint8 exponents (E8M0, bias 127) -> float32 [..., rows, groups * 32]."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
+    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., rows, groups, 32]
+    values = values * torch.exp2(scales.to(torch.float32) - 127).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+class GptOssAttention(LlamaAttention):
+    @staticmethod
+    def attention_options(cfg: Any, layer_id: int) -> dict[str, Any]:
+        return {"sliding_window": sliding_window_of(cfg, layer_id), "sinks": True}
+
+
+class GptOssRouter(nn.Module):
+    """Top k of linear(h) + bias, softmaxed over those k (in the logits' dtype, as transformers)."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(cfg.num_local_experts), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(F.linear(h, self.weight, self.bias), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.router = GptOssRouter(cfg)
+        self.experts = FusedMoE(
+            cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, activation="swigluoai", bias=True,
+            swiglu_limit=cfg.swiglu_limit, swiglu_alpha=getattr(cfg, "swiglu_alpha", 1.702),
+        )  # fmt: skip
+        for param in self.experts.parameters():
+            param.weight_loader = self.load  # type: ignore[attr-defined]
+        self._mxfp4: dict[str, Any] = {}  # a tensor's blocks waiting for its scales, or the reverse
+        self.dequantized_mxfp4 = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(h)
+        return self.experts(h, weights, ids)
+
+    def load(self, param: nn.Parameter, loaded: Any, shard: tuple) -> set | None:
+        """The checkpoint's stacked tensors (shard ("stacked", key)) into each expert's shards:
+        gate and up de-interleaved, weights transposed to (out, in), MXFP4 parts dequantized
+        once both have arrived. Returns the shards filled."""
+        if shard[0] != "stacked":
+            return self.experts.weight_loader(param, loaded, shard)
+        which, _, part = shard[1].partition("_proj")
+        loaded = materialize(loaded)
+        if part in ("_blocks", "_scales"):
+            self._mxfp4[which + part] = loaded
+            blocks, scales = self._mxfp4.get(which + "_blocks"), self._mxfp4.get(which + "_scales")
+            if blocks is None or scales is None:
+                return set()
+            del self._mxfp4[which + "_blocks"], self._mxfp4[which + "_scales"]
+            loaded = dequantize_mxfp4(blocks, scales).transpose(1, 2)  # input-major, as the float checkpoints
+            self.dequantized_mxfp4 += 1
+            part = ""
+        filled = set()
+        for e in range(loaded.shape[0]):
+            if which == "gate_up":
+                t = loaded[e] if part == "_bias" else loaded[e].transpose(0, 1)  # [2I] or [2I, H]
+                kinds = {"gate": t[0::2], "up": t[1::2]}
+            else:
+                kinds = {"down": loaded[e] if part == "_bias" else loaded[e].transpose(0, 1)}
+            for kind, tensor in kinds.items():
+                one = (kind + ("_bias" if part == "_bias" else ""), e)
+                self.experts.weight_loader(param, tensor.contiguous(), one)
+                filled.add(one)
+        return filled
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GptOssAttention
+
+    def make_mlp(self, cfg: Any, layer_id: int) -> nn.Module:
+        return GptOssMoE(cfg)
+
+
+class GptOssModel(LlamaModel):
+    layer_cls = GptOssDecoderLayer
+
+
+_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    model_cls = GptOssModel
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """Sinks into the attention layer; each layer's stacked expert tensors into the stacked
+        experts, through `GptOssMoE.load` (they are whole layers, not one expert each)."""
+        if name.endswith(".self_attn.sinks"):
+            return name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
+        m = _EXPERTS.match(name)
+        if m is None:
+            return None
+        prefix, which, suffix = m.group(1), m.group(2), m.group(3) or ""
+        param = {"gate_up_proj": "w13", "down_proj": "w2"}[which] + ("_bias" if suffix == "_bias" else "")
+        return f"{prefix}.{param}", ("stacked", which + suffix)
+
+    def process_weights_after_loading(self) -> None:
+        count = sum(m.dequantized_mxfp4 for m in self.modules() if isinstance(m, GptOssMoE))
+        if count:
+            logger.info(
+                "GPT-OSS: dequantized %d MXFP4 expert tensors at load (the experts run in the model's dtype)", count
+            )
+        for m in self.modules():
+            if isinstance(m, GptOssMoE):
+                m.dequantized_mxfp4 = 0
