@@ -279,7 +279,8 @@ class FusedMoE(nn.Module):
             if n:
                 end = start + n
                 (gemm13, w13), (gemm2, w2) = self._expert_gemms(e)
-                b13, b2 = (None, None) if self.w13_bias is None else (self.w13_bias[e], self.w2_bias[e])
+                b13 = None if self.w13_bias is None else self.w13_bias[e]
+                b2 = None if self.w2_bias is None else self.w2_bias[e]
                 out[start:end] = gemm2(self._activate(gemm13(x[start:end], w13, b13)), w2, b2)
                 start = end
         weighted = out.to(torch.float32).mul_(weights[order].unsqueeze(1))
