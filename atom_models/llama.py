@@ -55,6 +55,7 @@ class LlamaAttention(nn.Module):
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = d = head_dim_of(cfg)
+        self.qk_norm = self.uses_qk_norm(cfg)
         qkv_bias, o_bias = self.biases(cfg)
         # this rank's heads (all of them at one rank)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads, kv_heads, qkv_bias)
@@ -78,6 +79,12 @@ class LlamaAttention(nn.Module):
         """The `Attention` options of layer `layer_id`: its sliding window here; a family adds
         soft-capping or sinks."""
         return {"sliding_window": sliding_window_of(cfg, layer_id)}
+
+    @classmethod
+    def uses_qk_norm(cls, cfg: Any) -> bool:
+        """Whether each head's q and k are normalised before rope (the class's `qk_norm`; GLM-4-MoE
+        asks its config)."""
+        return cls.qk_norm
 
     @staticmethod
     def biases(cfg: Any) -> tuple[bool, bool]:

@@ -22,6 +22,8 @@ def atom_register_models(registry):
     registry.register("Qwen3_5MoeForConditionalGeneration", "atom_models.qwen3_5:Qwen3_5MoeForCausalLM")
     registry.register("MixtralForCausalLM", "atom_models.mixtral:MixtralForCausalLM")
     registry.register("GptOssForCausalLM", "atom_models.gpt_oss:GptOssForCausalLM")
+    registry.register("Glm4MoeForCausalLM", "atom_models.glm4_moe:Glm4MoeForCausalLM")
+    registry.register("MiniMaxM2ForCausalLM", "atom_models.minimax_m2:MiniMaxM2ForCausalLM")
     registry.register("DeepseekV2ForCausalLM", "atom_models.deepseek_v2:DeepseekV2ForCausalLM")
     registry.register("DeepseekV3ForCausalLM", "atom_models.deepseek_v2:DeepseekV3ForCausalLM")
     # EAGLE-3 draft heads: built beside a target by the "eagle3" proposer, never run alone.

@@ -148,6 +148,42 @@ ARCHS = {
         ),  # fmt: skip
         bf16_routing_flips=True,
     ),
+    "glm4_moe": dict(  # q/k/v biases, half the head rotated, per-head q/k norms; DeepSeek-V3's router
+        cls="Glm4MoeForCausalLM",
+        config="Glm4MoeConfig",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
+        bf16_routing_flips=True,
+    ),
+    "minimax_m2": dict(  # q/k norms over the whole projection, half the head rotated, sigmoid router with a bias
+        cls="MiniMaxM2ForCausalLM",
+        config="MiniMaxM2Config",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),  # fmt: skip
+        bf16_routing_flips=True,
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

@@ -37,6 +37,8 @@ FAMILIES = [
     "gemma3",  # rope per layer type
     "phi3",  # partial rotary, LongRoPE
     "gpt_oss",  # sinks, biased experts
+    "glm4_moe",
+    "minimax_m2",
     "qwen3",
     "qwen3_moe",
     "mixtral",

@@ -45,6 +45,9 @@ CASES = {
     "qwen3_next": ("qwen3_next", {}),  # GDN by key-head groups, gated attention, shared expert
     "qwen3_5": ("qwen3_5", {}),  # GDN with flat projections: q, k and v in one tensor, split by sections
     "deepseek_v2": ("deepseek_v2_greedy", {}),  # MLA without a query latent: q split beside a whole kv_a
+    "gemma3": ("gemma3", {}),  # a sliding window, rope per layer type, one KV head replicated
+    "gpt_oss-expert-parallel": ("gpt_oss", {"enable_expert_parallel": True}),  # sinks split by heads, biased experts
+    "minimax_m2": ("minimax_m2", {}),  # q/k norms over the whole projection: their mean of squares all-reduced
 }
 
 
