@@ -10,6 +10,7 @@ GDN output norm is zero-centred (`x * (1 + w)`); MoE layers add a sigmoid-gated 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from atom_core.layers import (
     get_tp_group,
     shard_rows,
 )
-from atom_core.plugin_api import SKIP, get_forward_context
+from atom_core.plugin_api import SKIP, get_forward_context, packed_target
 from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, partial_rope_dim
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock
@@ -276,7 +277,63 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     @classmethod
     def map_checkpoint_name(cls, name: str):
         """Hub per-expert `mlp.experts.{e}.gate_proj|up_proj|down_proj` -> stacked experts; the
-        multi-token-prediction head (`mtp.*`, for speculative decoding) is not loaded."""
+        multi-token-prediction head (`mtp.*`, the "mtp" proposer's draft) is not loaded here."""
         if name.startswith("mtp."):
             return SKIP
         return cls._experts(name)
+
+    def make_mtp_module(self) -> Qwen3NextMTP:
+        """The checkpoint's multi-token-prediction layer (`mtp.*`) as a draft model (the "mtp"
+        proposer's); built in the caller's dtype and device, loaded from the same checkpoint."""
+        return Qwen3NextMTP(self.config, self.model.layer_cls, self)
+
+
+class Qwen3NextMTP(nn.Module):
+    """Qwen3-Next's (and Qwen3.5's) next-token-prediction layer as a draft model.
+
+    At position p, from the target's final hidden state h_p and the token t_{p+1}:
+    h' = fc([pre_fc_norm_embedding(embed(t_{p+1})); pre_fc_norm_hidden(h_p)]) -> one decoder
+    layer of full attention (KV layer `num_hidden_layers` of the pool) -> norm; the logits of
+    t_{p+2} are the target's LM head of that, which is also the next chained step's hidden
+    state. The embedding, rope and LM head are the target's.
+
+    Draft-model protocol (atom_spec/draft.py): `forward(input_ids, positions, hidden)`,
+    `compute_logits`, `draft_id_to_target`.
+    """
+
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    draft_id_to_target = None  # drafts are target token ids
+    checkpoint_prefix = "mtp."
+
+    def __init__(self, cfg: Any, layer_cls: type, target: nn.Module):
+        super().__init__()
+        n, h, eps = cfg.num_hidden_layers, cfg.hidden_size, cfg.rms_norm_eps
+        layer_cfg = copy.copy(cfg)  # the MTP layer attends fully, as layer n
+        layer_cfg.layer_types = layer_types_of(cfg) + ["full_attention"]
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, eps)
+        self.fc = Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([layer_cls(layer_cfg, n)])
+        self.norm = ZeroCenteredRMSNorm(h, eps)
+        self._target = (target,)  # a tuple: the target's modules are not registered twice
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """`mtp.*` -> this module (experts stacked); everything else (the target) is skipped."""
+        if not name.startswith(self.checkpoint_prefix):
+            return SKIP
+        rest = name[len(self.checkpoint_prefix) :]
+        return Qwen3NextForCausalLM._experts(rest) or packed_target(rest, self.packed_modules_mapping)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        (target,) = self._target
+        embed = target.model.embed_tokens(input_ids)
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embed), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = target.model.rotary_emb(positions, x.dtype)
+        x, _ = self.norm(*self.layers[0](x, None, cos, sin))  # the layer's last add, in the norm
+        return x, x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        (target,) = self._target
+        return target.compute_logits(hidden)

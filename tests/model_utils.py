@@ -555,6 +555,37 @@ def add_mtp_layer(folder: Path, name: str = "deepseek_v3", seed: int = 1):
     return deeper.model.layers[n]
 
 
+def add_next_mtp_layer(folder: Path, name: str = "qwen3_next", seed: int = 1) -> None:
+    """Give the tiny Qwen3-Next (or Qwen3.5) checkpoint in `folder` an MTP layer, as the hub's
+    checkpoints ship it (`mtp.*`, which transformers drops): one full-attention decoder layer
+    taken from a transformers model one layer deeper (renamed `mtp.layers.0.*`), and random
+    `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden` and `norm`."""
+    import json
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ARCHS[name]["kwargs"].get("layer_types")
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(name, Path(tmp), seed=seed, num_hidden_layers=n + 1, layer_types=types + ["full_attention"])
+        donor = load_file(Path(tmp) / "model.safetensors")
+    prefix = f"model.layers.{n}."
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"mtp.layers.0." + k[len(prefix) :]: v for k, v in donor.items() if k.startswith(prefix)})
+    g = torch.Generator().manual_seed(seed)
+    h = cfg["hidden_size"]
+    extra = {
+        "fc.weight": _random((h, 2 * h), g),
+        "pre_fc_norm_embedding.weight": _random(h, g) * 0.1,  # zero-centred: applied as 1 + w
+        "pre_fc_norm_hidden.weight": _random(h, g) * 0.1,
+        "norm.weight": _random(h, g) * 0.1,
+    }
+    tensors.update({"mtp." + k: t for k, t in extra.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 def build_eagle3_head(
     folder: Path, target_folder: Path, draft_vocab: list[int], aux_layer_ids: list[int] | None = None, seed: int = 2
 ) -> None:

@@ -21,7 +21,14 @@ from conftest import (
     record_preemptions,  # noqa: E402
     require_kernel,  # noqa: E402
 )
-from model_utils import add_mtp_layer, build_eagle3_head, build_tiny_model, random_prompts, scale_rows  # noqa: E402
+from model_utils import (
+    add_mtp_layer,
+    add_next_mtp_layer,
+    build_eagle3_head,
+    build_tiny_model,
+    random_prompts,
+    scale_rows,
+)  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
@@ -68,9 +75,28 @@ def llama(tmp_path_factory):
     return SimpleNamespace(folder=folder, model=model, heads=heads, spec=spec)
 
 
-@pytest.fixture(scope="module", params=["mtp", "eagle3"])
+def next_mtp(name: str, tmp_path_factory) -> SimpleNamespace:
+    """Qwen3-Next / Qwen3.5 with an MTP layer (`mtp.*`) whose LM head is the target's own."""
+    folder = tmp_path_factory.mktemp(f"{name}_mtp")
+    model = build_tiny_model(name, folder)
+    add_next_mtp_layer(folder, name)
+    scale_rows(folder / "model.safetensors", {"lm_head.weight": (FAVOURED, 6.0)})
+    return SimpleNamespace(folder=folder, model=model, spec=dict(method="mtp"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(tmp_path_factory):
+    return next_mtp("qwen3_next", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_mtp(tmp_path_factory):
+    return next_mtp("qwen3_5", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["mtp", "eagle3", "qwen3_next_mtp", "qwen3_5_mtp"])
 def target(request):
-    return request.getfixturevalue({"mtp": "deepseek", "eagle3": "llama"}[request.param])
+    return request.getfixturevalue({"mtp": "deepseek", "eagle3": "llama"}.get(request.param, request.param))
 
 
 def generate(folder, spec=None, **config):
