@@ -97,3 +97,30 @@ def test_bfloat16_logits_stay_close(tiny, request):
     results, logits = run_with_logits(engine, prompts, max_tokens=4)
     for prompt, result, steps in zip(prompts, results, logits):
         assert_bf16_close(steps, prompt + result["token_ids"][:-1], len(prompt) - 1, references)
+
+
+def test_chunked_prefill_prefix_caching_and_preemption_match_transformers(tiny):
+    """Prompts longer than the windowed families' windows, in chunks of at most 16 tokens (a chunk
+    crosses the window's edge), two waves sharing prefixes, a pool small enough that a request
+    is preempted: 24 greedy tokens each, as transformers gives them."""
+    folder, model = tiny
+    engine = LLMEngine(
+        folder, dtype="float32", num_kvcache_blocks=8, max_model_len=128, enable_prefix_caching=True,
+        max_num_batched_tokens=32, long_prefill_token_threshold=16,
+    )  # fmt: skip
+    preempted = record_preemptions(engine.scheduler)
+    base = random_prompts([50], seed=8)[0]
+    waves = [
+        [base + [5, 6], *random_prompts([30, 31, 29], seed=9)],  # 16 blocks at their longest, in a pool of 8
+        [base[:40] + [7], base[:33], random_prompts([70], seed=10)[0]],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    cached = []
+    for wave in waves:
+        results = engine.generate(wave, params, use_tqdm=False)
+        for prompt, result in zip(wave, results):
+            assert result["token_ids"] == hf_greedy(model, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
+        cached += [r["num_cached_tokens"] for r in results]
+    assert preempted, "the pool was meant to preempt a request"
+    assert any(cached[2:]), cached
+    assert engine.scheduler.block_manager.num_free_blocks == 8
