@@ -178,18 +178,23 @@ def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group, ke
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+def filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks):
+    """Random block tables (and their padded tensor) and K/V caches holding each request's
+    positions there; every other slot NaN, so a kernel that reads one fails."""
+    tables = random_tables(context_lens, gen, nblocks)
+    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    k_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
+    for table, L in zip(tables, context_lens):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
+        for cache in (k_cache, v_cache):
+            cache.view(kv_heads, -1, dim)[:, slots] = torch.randn(kv_heads, L, dim, generator=gen).to(dtype)
+    return tables, padded, k_cache, v_cache
+
+
 def causal_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale):
     """float64 softmax(q K^T) V for each request's last `n` of `L` positions, token j seeing keys up to L - n + j."""
-    out, s = torch.empty(q.shape, dtype=torch.float64), 0
-    group = q.shape[1] // k_cache.shape[0]
-    for table, L, n in zip(tables, context_lens, num_new):
-        k = k_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)  # [heads, L, dim]
-        v = v_cache[:, table].flatten(1, 2)[:, :L].double().repeat_interleave(group, 0)
-        scores = q[s : s + n].double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, L]
-        scores.masked_fill_(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], float("-inf"))
-        out[s : s + n] = (scores.softmax(-1) @ v).transpose(0, 1)
-        s += n
-    return out
+    return options_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale, None, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -203,14 +208,7 @@ def test_cpu_kernel_tiles_long_query_runs(dtype, dim, kv_heads, group, kernel_va
     gen = torch.Generator().manual_seed(dim * group)
     bs, nblocks = 16, 96
     context_lens, num_new = [300, 9, 40, 100, 1, 17, 70], [300, 9, 33, 20, 1, 17, 3]
-    tables = random_tables(context_lens, gen, nblocks)
-    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
-    k_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
-    for table, L in zip(tables, context_lens):
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
-        for cache in (k_cache, v_cache):
-            cache.view(kv_heads, -1, dim)[:, slots] = torch.randn(kv_heads, L, dim, generator=gen).to(dtype)
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks)
     q = torch.randn(sum(num_new), kv_heads * group, dim, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
     out = ops.paged_attention(q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5)
@@ -317,14 +315,7 @@ def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, wind
     gen = torch.Generator().manual_seed(dim + group + (window or 0))
     bs, nblocks = 16, 96
     context_lens, num_new = [300, 9, 40, 100, 1, 17, 70, 33], [300, 9, 33, 20, 1, 17, 3, 1]
-    tables = random_tables(context_lens, gen, nblocks)
-    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
-    k_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full((kv_heads, nblocks, bs, dim), float("nan"), dtype=dtype)
-    for table, L in zip(tables, context_lens):
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
-        for cache in (k_cache, v_cache):
-            cache.view(kv_heads, -1, dim)[:, slots] = torch.randn(kv_heads, L, dim, generator=gen).to(dtype)
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks)
     heads = kv_heads * group
     sink = torch.randn(heads, generator=gen) * 2 if sinks else None
     q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(dtype)
