@@ -124,3 +124,12 @@ def test_chunked_prefill_prefix_caching_and_preemption_match_transformers(tiny):
     assert preempted, "the pool was meant to preempt a request"
     assert any(cached[2:]), cached
     assert engine.scheduler.block_manager.num_free_blocks == 8
+
+
+def test_a_padding_policy_refuses_windowed_attention_by_name(tmp_path):
+    from model_utils import build_tiny_model
+
+    folder = tmp_path / "mistral"
+    build_tiny_model("mistral", folder)
+    with pytest.raises(ValueError, match=r"scheduling_policy='spyre' pads batches.*sliding windows.*layers \[0, 1\]"):
+        LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256, scheduling_policy="spyre")

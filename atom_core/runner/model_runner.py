@@ -156,8 +156,16 @@ class ModelRunner:
         self.screens_lm_head = (
             tp.world_size == 1 and not spec and reads_argmax_only(self.sampler) and prepare_lm_head_screens(self.model)
         )
+        policy = policy_class(config.scheduling_policy, pm)
+        with_options = [m.layer_id for m in self.attn_layers if not getattr(m, "plain", True)]
+        if policy.pads_batches and with_options:
+            raise ValueError(
+                f"scheduling_policy={config.scheduling_policy!r} pads batches into a rectangular layout, which "
+                f"attention with sliding windows, sinks or soft-capping (layers {with_options[:8]}) does not run; "
+                f"use scheduling_policy='mixed' or 'prefill_first'"
+            )
         # Blocks the scheduling policy keeps out of requests' reach (spyre's padding block).
-        reserved = policy_class(config.scheduling_policy, pm).reserved_blocks
+        reserved = policy.reserved_blocks
         layouts = {t: b.kv_layout() for t, b in self.attn_builders.items()}
         self.kv_plan: KVPoolPlan = plan_kv_pool(layouts, config, self.device, len(reserved))
         if tp.world_size > 1:  # every rank allocates rank 0's block count

@@ -40,6 +40,9 @@ class SchedulingPolicy:
 
     name = "base"
     reserved_blocks: tuple[int, ...] = ()
+    # True for a policy whose batches carry a padded, rectangular layout (`left_pad_blocks`,
+    # `tkvs`: spyre's); attention with options (sliding windows, sinks, soft-capping) refuses it.
+    pads_batches: bool = False
     # The policy's own settings: an attrs class read from `Config.additional_config`
     # (atom_core/plugins/options.py); `self.options` is its instance, None without one.
     options_class: type | None = None

@@ -82,6 +82,7 @@ def batch_tkv_volume(rows: list[tuple[int, int]], block_size: int) -> int:
 class SpyrePolicy(SchedulingPolicy):
     name = "spyre"
     reserved_blocks = (PAD_BLOCK,)
+    pads_batches = True
     options_class = SpyreOptions
 
     def __init__(self, config: Config):
