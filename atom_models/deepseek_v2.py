@@ -228,13 +228,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         Built in the caller's default dtype and device; load it with
         `load_model_weights(module, folder)` from the target's own checkpoint.
         """
-        n = getattr(self.config, "num_nextn_predict_layers", 0) or 0
-        if n < 1:
-            raise ValueError(
-                f"{type(self).__name__}: this checkpoint has no multi-token-prediction layer "
-                f"(num_nextn_predict_layers={n} in config.json); speculative method 'mtp' needs one"
-            )
-        return DeepseekMTP(self.config, self.model.layer_cls, self.model.embed_tokens, self.model.rotary_emb)
+        return DeepseekMTP.of(self)
 
 
 class DeepseekMTP(nn.Module):
@@ -252,6 +246,19 @@ class DeepseekMTP(nn.Module):
 
     packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
     draft_id_to_target = None  # drafts are target token ids
+
+    @classmethod
+    def of(cls, target: nn.Module) -> DeepseekMTP:
+        """The MTP layer of `target` (DeepSeek-V3, GLM-4-MoE: the same shape), named as its layers are."""
+        n = getattr(target.config, "num_nextn_predict_layers", 0) or 0
+        if n < 1:
+            raise ValueError(
+                f"{type(target).__name__}: this checkpoint has no multi-token-prediction layer "
+                f"(num_nextn_predict_layers={n} in config.json); speculative method 'mtp' needs one"
+            )
+        mtp = cls(target.config, target.model.layer_cls, target.model.embed_tokens, target.model.rotary_emb)
+        mtp.packed_modules_mapping = target.packed_modules_mapping
+        return mtp
 
     def __init__(self, cfg: Any, layer_cls: type, embed_tokens: nn.Embedding, rotary_emb: nn.Module):
         super().__init__()

@@ -1,7 +1,8 @@
 """GLM-4-MoE (GLM-4.5): Llama-shaped attention with q/k/v biases (none on the output), partial
 rotary (half of each head), optional per-head q/k norms (`use_qk_norm`); DeepSeek-V3's MoE
 (sigmoid router with a correction bias and expert groups, shared experts) after
-`first_k_dense_replace` dense layers. Its MTP layers (past `num_hidden_layers`) are skipped."""
+`first_k_dense_replace` dense layers. Its MTP layer (past `num_hidden_layers`, DeepSeek-V3's
+shape) drafts for the "mtp" proposer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from atom_core.layers import FusedMoE
 from atom_core.plugin_api import SKIP
-from atom_models.deepseek_v2 import DeepseekV3MoE
+from atom_models.deepseek_v2 import DeepseekMTP, DeepseekV3MoE
 from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
@@ -50,3 +51,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
             return SKIP
         return self._experts(name)
+
+    def make_mtp_module(self) -> DeepseekMTP:
+        """The checkpoint's MTP layer (index `num_hidden_layers`, DeepSeek-V3's shape) as a draft."""
+        return DeepseekMTP.of(self)

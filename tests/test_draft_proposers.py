@@ -94,7 +94,21 @@ def qwen3_5_mtp(tmp_path_factory):
     return next_mtp("qwen3_5", tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=["mtp", "eagle3", "qwen3_next_mtp", "qwen3_5_mtp"])
+@pytest.fixture(scope="module")
+def glm4_moe_mtp(tmp_path_factory):
+    """GLM-4-MoE with an MTP layer of DeepSeek-V3's shape at index `num_hidden_layers`."""
+    folder = tmp_path_factory.mktemp("glm4_moe_mtp")
+    model = build_tiny_model("glm4_moe", folder)
+    add_mtp_layer(folder, "glm4_moe")
+    n = model.config.num_hidden_layers
+    scale_rows(
+        folder / "model.safetensors",
+        {"lm_head.weight": (FAVOURED, 6.0), f"model.layers.{n}.shared_head.head.weight": (FAVOURED, 6.0)},
+    )
+    return SimpleNamespace(folder=folder, model=model, spec=dict(method="mtp"))
+
+
+@pytest.fixture(scope="module", params=["mtp", "eagle3", "qwen3_next_mtp", "qwen3_5_mtp", "glm4_moe_mtp"])
 def target(request):
     return request.getfixturevalue({"mtp": "deepseek", "eagle3": "llama"}.get(request.param, request.param))
 
