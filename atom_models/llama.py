@@ -69,6 +69,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.norm_cls(d, cfg.rms_norm_eps)
             self.k_norm = self.norm_cls(d, cfg.rms_norm_eps)
         self.rope_dim = partial_rope_dim(cfg)
+        # NoPE layers (`no_rope_layers`: 1 where a layer ropes, 0 where it does not; SmolLM3, Llama 4)
+        no_rope = getattr(cfg, "no_rope_layers", None)
+        self.use_rope = bool(no_rope[layer_id]) if no_rope else True
 
     @staticmethod
     def softmax_scale(cfg: Any) -> float:
@@ -97,7 +100,11 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)
         nq, nkv = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nkv) * d :]
-        if self.rope_dim < d:  # partial rotary: the first rope_dim values of each head turn
+        if not self.use_rope:  # a NoPE layer: positions reach it only through the causal mask
+            q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif self.rope_dim < d:  # partial rotary: the first rope_dim values of each head turn
             q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

@@ -9,6 +9,7 @@ def atom_register_models(registry):
     registry.register("LlamaForCausalLM", "atom_models.llama:LlamaForCausalLM")
     registry.register("MistralForCausalLM", "atom_models.mistral:MistralForCausalLM")
     registry.register("Phi3ForCausalLM", "atom_models.phi3:Phi3ForCausalLM")
+    registry.register("SmolLM3ForCausalLM", "atom_models.smollm3:SmolLM3ForCausalLM")
     registry.register("Gemma2ForCausalLM", "atom_models.gemma:Gemma2ForCausalLM")
     registry.register("Gemma3ForCausalLM", "atom_models.gemma:Gemma3ForCausalLM")
     registry.register("Qwen2ForCausalLM", "atom_models.qwen2:Qwen2ForCausalLM")

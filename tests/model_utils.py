@@ -184,6 +184,19 @@ ARCHS = {
         ),  # fmt: skip
         bf16_routing_flips=True,
     ),
+    "smollm3": dict(  # NoPE: layer 1 of 2 has no rope (no_rope_layers)
+        cls="SmolLM3ForCausalLM",
+        config="SmolLM3Config",
+        kwargs=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            no_rope_layers=[1, 0],
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),  # fmt: skip
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM",
         config="Qwen3Config",

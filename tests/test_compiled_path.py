@@ -36,6 +36,7 @@ FAMILIES = [
     "gemma2",  # soft-capped attention and logits
     "gemma3",  # rope per layer type
     "phi3",  # partial rotary, LongRoPE
+    "smollm3",  # a NoPE layer
     "gpt_oss",  # sinks, biased experts
     "glm4_moe",
     "minimax_m2",
