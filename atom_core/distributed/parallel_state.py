@@ -14,6 +14,8 @@ dies closes its sockets, which fails the others' next collective at once.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +49,20 @@ _tp = ParallelGroup()
 
 def get_tp_group() -> ParallelGroup:
     return _tp
+
+
+@contextmanager
+def use_group(group: ParallelGroup) -> Iterator[None]:
+    """Make `group` this process's tensor-parallel group for the block: an engine builds and
+    steps its model inside its own, so a one-rank engine and a tensor-parallel one can live in
+    one process side by side. What the block sets (expert parallel, shared memory, a new group)
+    is read with `get_tp_group()` before it ends."""
+    global _tp
+    previous, _tp = _tp, group
+    try:
+        yield
+    finally:
+        _tp = previous
 
 
 def resolve_backend(backend: str, device: str) -> str:

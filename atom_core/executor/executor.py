@@ -20,7 +20,7 @@ import torch
 
 from atom_core.config import Config
 from atom_core.distributed.communication import all_gather, broadcast_bytes, enable_shared_memory_collectives
-from atom_core.distributed.parallel_state import destroy_tensor_parallel, get_tp_group
+from atom_core.distributed.parallel_state import ParallelGroup, destroy_tensor_parallel, get_tp_group, use_group
 from atom_core.executor.step_message import send_shutdown, send_step
 from atom_core.runner.model_runner import ModelRunner
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
@@ -46,8 +46,16 @@ class ModelExecutor:
 
 
 class UniProcExecutor(ModelExecutor):
+    """One rank, in its own one-rank group (whatever group another engine of this process uses)."""
+
     def __init__(self, config: Config, hf_config: Any):
-        self.runner = ModelRunner(config, hf_config)
+        with use_group(ParallelGroup()):
+            self.runner = ModelRunner(config, hf_config)
+            self.group = get_tp_group()
+
+    def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
+        with use_group(self.group):
+            return self.runner.forward(batch, seqs)
 
 
 def config_json(config: Config) -> bytes:
@@ -84,26 +92,32 @@ class DistributedExecutor(ModelExecutor):
         self.failure: str | None = None  # set once a rank failed: the engine runs no more steps
         self._closed = False
         self._threads = torch.get_num_threads()
-        try:
-            self.join_group(config)
-            tp = get_tp_group()
-            torch.set_num_threads(threads_per_rank(tp.local_world_size))
-            enable_shared_memory_collectives(config.distributed_timeout)
-            broadcast_bytes(config_json(config))
-            self.runner = ModelRunner(config, hf_config)
-            # each rank's (blocks, bytes): every rank allocated rank 0's block count
-            self.rank_pools = gather_pool_sizes(self.runner)
-            if len({blocks for blocks, _ in self.rank_pools}) != 1:
-                raise TensorParallelError(f"the ranks' KV pools disagree: (blocks, bytes) per rank {self.rank_pools}")
-        except BaseException as e:
-            # A setting the model refuses fails every rank alike: rank 0's own error says it.
-            # Anything else may be another rank's failure seen through a collective.
-            failure = None if isinstance(e, (ValueError, TypeError)) else self.rank_failure()
-            self.failure = failure or f"rank 0 failed while starting: {type(e).__name__}: {e}"
-            self.close()
-            if failure is not None:
-                raise TensorParallelError(failure) from e
-            raise
+        self.group = ParallelGroup()
+        with use_group(self.group):  # this engine's group, not another engine's of this process
+            try:
+                self.join_group(config)
+                tp = get_tp_group()
+                torch.set_num_threads(threads_per_rank(tp.local_world_size))
+                enable_shared_memory_collectives(config.distributed_timeout)
+                broadcast_bytes(config_json(config))
+                self.runner = ModelRunner(config, hf_config)
+                # each rank's (blocks, bytes): every rank allocated rank 0's block count
+                self.rank_pools = gather_pool_sizes(self.runner)
+                if len({blocks for blocks, _ in self.rank_pools}) != 1:
+                    raise TensorParallelError(
+                        f"the ranks' KV pools disagree: (blocks, bytes) per rank {self.rank_pools}"
+                    )
+                self.group = get_tp_group()
+            except BaseException as e:
+                self.group = get_tp_group()
+                # A setting the model refuses fails every rank alike: rank 0's own error says it.
+                # Anything else may be another rank's failure seen through a collective.
+                failure = None if isinstance(e, (ValueError, TypeError)) else self.rank_failure()
+                self.failure = failure or f"rank 0 failed while starting: {type(e).__name__}: {e}"
+                self.close()
+                if failure is not None:
+                    raise TensorParallelError(failure) from e
+                raise
         self.runner.announce = send_step
         logger.info(
             "atom: tensor parallel over %d ranks (%s executor), %d threads a rank on this host",
@@ -124,7 +138,8 @@ class DistributedExecutor(ModelExecutor):
         if self._closed:
             raise TensorParallelError("the engine is closed")
         try:
-            return self.runner.forward(batch, seqs)
+            with use_group(self.group):
+                return self.runner.forward(batch, seqs)
         except BaseException as e:
             # The ranks' collectives no longer line up: stop them all.
             self.failure = self.rank_failure() or f"rank 0 failed during a step: {type(e).__name__}: {e}"
@@ -135,12 +150,14 @@ class DistributedExecutor(ModelExecutor):
         if self._closed:
             return
         self._closed = True
-        if self.failure is None and get_tp_group().world_size > 1:
-            try:
-                send_shutdown()
-            except Exception:  # a rank already gone: stopped below
-                pass
-        destroy_tensor_parallel()
+        with use_group(self.group):
+            if self.failure is None and self.group.world_size > 1:
+                try:
+                    send_shutdown()
+                except Exception:  # a rank already gone: stopped below
+                    pass
+            destroy_tensor_parallel()
+        self.group = ParallelGroup()
         torch.set_num_threads(self._threads)
         self.stop_ranks()
 
