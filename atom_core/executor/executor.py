@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -20,7 +23,13 @@ import torch
 
 from atom_core.config import Config
 from atom_core.distributed.communication import all_gather, broadcast_bytes, enable_shared_memory_collectives
-from atom_core.distributed.parallel_state import ParallelGroup, destroy_tensor_parallel, get_tp_group, use_group
+from atom_core.distributed.parallel_state import (
+    ParallelGroup,
+    destroy_tensor_parallel,
+    get_tp_group,
+    resolve_backend,
+    use_group,
+)
 from atom_core.executor.step_message import send_shutdown, send_step
 from atom_core.runner.model_runner import ModelRunner
 from atom_core.sched.batch import ScheduledBatch, ScheduledBatchOutput
@@ -28,34 +37,38 @@ from atom_core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+# How long the ranks an executor starts may take to come up (import torch and Atom) and say so.
+STARTUP_TIMEOUT_S = 300.0
+# What each such rank sets in rank 0's store once it is up (`worker.join`).
+READY_KEY = "atom_worker_ready_{rank}"
+
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed (or the group is gone): the engine cannot run more steps."""
 
 
 class ModelExecutor:
-    """Runs each scheduled batch on every rank; `runner` is this process's (rank 0's)."""
+    """Runs each scheduled batch on every rank; `runner` is this process's (rank 0's), built and
+    stepped in the executor's own `group` (whatever group another engine of this process uses)."""
 
     runner: ModelRunner
+    group: ParallelGroup
 
     def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
-        return self.runner.forward(batch, seqs)
+        with use_group(self.group):
+            return self.runner.forward(batch, seqs)
 
     def close(self) -> None:
         """Stop the other ranks, if any, and leave their group; idempotent."""
 
 
 class UniProcExecutor(ModelExecutor):
-    """One rank, in its own one-rank group (whatever group another engine of this process uses)."""
+    """One rank."""
 
     def __init__(self, config: Config, hf_config: Any):
         with use_group(ParallelGroup()):
             self.runner = ModelRunner(config, hf_config)
             self.group = get_tp_group()
-
-    def execute(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatchOutput:
-        with use_group(self.group):
-            return self.runner.forward(batch, seqs)
 
 
 def config_json(config: Config) -> bytes:
@@ -128,6 +141,41 @@ class DistributedExecutor(ModelExecutor):
         """Start or find the other ranks and `init_tensor_parallel` as rank 0."""
         raise NotImplementedError
 
+    # -- for executors that start the other ranks themselves (the "mp" and "ray" ones) --------
+
+    @staticmethod
+    def open_store(host: str, config: Config) -> Any:
+        """Rank 0's `TCPStore` on `host`, on a free port: where the ranks it starts meet it."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            host, 0, config.tensor_parallel_size, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=config.distributed_timeout),
+        )  # fmt: skip
+
+    @staticmethod
+    def rank_env(rank: int, config: Config, store: Any, host: str, ranks_here: int, threads: int) -> dict[str, str]:
+        """The environment `worker.run_worker` reads, for rank `rank` of the group `store` meets."""
+        return {
+            "RANK": str(rank), "WORLD_SIZE": str(config.tensor_parallel_size), "LOCAL_WORLD_SIZE": str(ranks_here),
+            "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
+            "ATOM_DISTRIBUTED_BACKEND": resolve_backend(config.distributed_backend, config.device),
+            "ATOM_DISTRIBUTED_TIMEOUT": str(config.distributed_timeout), "ATOM_WORKER_THREADS": str(threads),
+        }  # fmt: skip
+
+    def await_ranks(self, store: Any, world: int, ended: Callable[[], str | None]) -> None:
+        """Wait until each rank it started says it is up, before anyone waits in a rendezvous;
+        `ended()` names a rank that ended instead (then what it reported is raised)."""
+        keys = [READY_KEY.format(rank=r) for r in range(1, world)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            gone = ended()
+            if gone is not None:
+                raise TensorParallelError(self.rank_failure() or gone)
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
     def rank_failure(self) -> str | None:
         """What a failed rank reported (None if none is known to have failed)."""
         return None
@@ -138,8 +186,7 @@ class DistributedExecutor(ModelExecutor):
         if self._closed:
             raise TensorParallelError("the engine is closed")
         try:
-            with use_group(self.group):
-                return self.runner.forward(batch, seqs)
+            return super().execute(batch, seqs)
         except BaseException as e:
             # The ranks' collectives no longer line up: stop them all.
             self.failure = self.rank_failure() or f"rank 0 failed during a step: {type(e).__name__}: {e}"

@@ -10,17 +10,14 @@ import sys
 import tempfile
 import time
 import weakref
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from atom_core.config import Config
 from atom_core.distributed.parallel_state import init_tensor_parallel, resolve_backend
-from atom_core.executor.executor import DistributedExecutor, TensorParallelError, threads_per_rank
-from atom_core.executor.worker import READY_KEY, read_error
+from atom_core.executor.executor import DistributedExecutor, threads_per_rank
+from atom_core.executor.worker import read_error
 
-# How long the other ranks may take to start (import torch and Atom) and say so.
-STARTUP_TIMEOUT_S = 300.0
 # How long a failed rank may take to exit after rank 0 saw its sockets close.
 EXIT_GRACE_S = 5.0
 
@@ -34,43 +31,30 @@ class MultiprocExecutor(DistributedExecutor):
         super().__init__(config, hf_config)
 
     def join_group(self, config: Config) -> None:
-        import torch.distributed as dist
-
         world = config.tensor_parallel_size
-        backend = resolve_backend(config.distributed_backend, config.device)
-        store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=config.distributed_timeout),
-        )  # fmt: skip
-        env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "ATOM_DISTRIBUTED_BACKEND": backend,
-            "ATOM_DISTRIBUTED_TIMEOUT": str(config.distributed_timeout),
-            "ATOM_WORKER_THREADS": str(threads_per_rank(world)),
-        }  # fmt: skip
-        env.pop("TORCHELASTIC_RUN_ID", None)
+        store = self.open_store("127.0.0.1", config)
+        threads = threads_per_rank(world)
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}  # its own rendezvous, not torchrun's
         for rank in range(1, world):
-            rank_env = env | {"RANK": str(rank), "ATOM_WORKER_ERROR_FILE": self._error_file(rank)}
+            rank_env = env | self.rank_env(rank, config, store, "127.0.0.1", world, threads)
+            rank_env["ATOM_WORKER_ERROR_FILE"] = self._error_file(rank)
             self.processes.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "atom_core.executor.worker"], env=rank_env, stdin=subprocess.DEVNULL
                 )
             )
-        keys = [READY_KEY.format(rank=r) for r in range(1, world)]
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not store.check(keys):  # each worker says it is up before anyone waits in a rendezvous
-            for rank, p in enumerate(self.processes, 1):
-                if p.poll() is not None:
-                    raise TensorParallelError(
-                        self.rank_failure()
-                        or f"tensor-parallel rank {rank} exited with code {p.returncode} while starting"
-                    )
-            if time.monotonic() > deadline:
-                raise TensorParallelError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
+        self.await_ranks(store, world, self._exited)
+        backend = resolve_backend(config.distributed_backend, config.device)
         init_tensor_parallel(
             0, world, backend=backend, timeout_s=config.distributed_timeout, local_world_size=world, store=store
         )
+
+    def _exited(self) -> str | None:
+        """A started rank that exited, named; None while all run."""
+        for rank, p in enumerate(self.processes, 1):
+            if p.poll() is not None:
+                return f"tensor-parallel rank {rank} exited with code {p.returncode} while starting"
+        return None
 
     def _error_file(self, rank: int) -> str:
         return str(Path(self._dir) / f"rank{rank}.json")

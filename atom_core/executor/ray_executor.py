@@ -12,16 +12,11 @@ local one.
 from __future__ import annotations
 
 import os
-import time
-from datetime import timedelta
 from typing import Any
 
 from atom_core.config import Config
 from atom_core.distributed.parallel_state import init_tensor_parallel, resolve_backend
-from atom_core.executor.executor import DistributedExecutor, TensorParallelError, threads_per_rank
-from atom_core.executor.worker import READY_KEY
-
-STARTUP_TIMEOUT_S = 300.0
+from atom_core.executor.executor import STARTUP_TIMEOUT_S, DistributedExecutor, threads_per_rank
 
 
 class RankActor:
@@ -61,23 +56,14 @@ class RayExecutor(DistributedExecutor):
 
     def join_group(self, config: Config) -> None:
         import ray
-        import torch.distributed as dist
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             ray.init()
         world = config.tensor_parallel_size
-        backend = resolve_backend(config.distributed_backend, config.device)
         here = ray.util.get_node_ip_address()
-        store = dist.TCPStore(
-            here,
-            0,
-            world,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=config.distributed_timeout),
-        )
+        store = self.open_store(here, config)
         self.placement = placement_group([{"CPU": 1}] * (world - 1))
         ray.get(self.placement.ready(), timeout=STARTUP_TIMEOUT_S)
         actor_cls = ray.remote(num_cpus=1)(RankActor)
@@ -90,25 +76,22 @@ class RayExecutor(DistributedExecutor):
         nodes = [ray.get_runtime_context().get_node_id()] + ray.get([a.node_id.remote() for a in self.actors])
         per_node = {n: nodes.count(n) for n in nodes}
         threads = threads_per_rank(per_node[nodes[0]])
-        for rank, actor in enumerate(self.actors, 1):
-            env = {
-                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(per_node[nodes[rank]]),
-                "MASTER_ADDR": here, "MASTER_PORT": str(store.port), "ATOM_DISTRIBUTED_BACKEND": backend,
-                "ATOM_DISTRIBUTED_TIMEOUT": str(config.distributed_timeout), "ATOM_WORKER_THREADS": str(threads),
-            }  # fmt: skip
-            self.runs.append(actor.run.remote(env))
-        keys = [READY_KEY.format(rank=r) for r in range(1, world)]
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not store.check(keys):
-            done, _ = ray.wait(self.runs, timeout=0.05)
-            if done:
-                raise TensorParallelError(self.rank_failure() or "a tensor-parallel rank ended while starting")
-            if time.monotonic() > deadline:
-                raise TensorParallelError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        self.runs = [
+            actor.run.remote(self.rank_env(rank, config, store, here, per_node[nodes[rank]], threads))
+            for rank, actor in enumerate(self.actors, 1)
+        ]
+        self.await_ranks(store, world, self._ended)
+        backend = resolve_backend(config.distributed_backend, config.device)
         init_tensor_parallel(
             0, world, backend=backend, timeout_s=config.distributed_timeout, local_world_size=per_node[nodes[0]],
             store=store,
         )  # fmt: skip
+
+    def _ended(self) -> str | None:
+        import ray
+
+        done, _ = ray.wait(self.runs, timeout=0)
+        return "a tensor-parallel rank ended while starting" if done else None
 
     def rank_failure(self) -> str | None:
         import ray

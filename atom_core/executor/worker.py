@@ -17,8 +17,6 @@ import sys
 import traceback
 from datetime import timedelta
 
-READY_KEY = "atom_worker_ready_{rank}"
-
 
 def error_file() -> str | None:
     return os.environ.get("ATOM_WORKER_ERROR_FILE") or os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -46,6 +44,7 @@ def join(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
     """Join rank 0's group: through its store (MASTER_ADDR/MASTER_PORT), saying this rank is up
     first, as the "mp" executor waits for; under torchrun, through `env://`."""
     from atom_core.distributed.parallel_state import init_tensor_parallel
+    from atom_core.executor.executor import READY_KEY
 
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's rendezvous
         init_tensor_parallel(rank, world_size, "env://", backend, timeout_s=timeout_s)

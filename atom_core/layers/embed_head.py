@@ -29,12 +29,17 @@ def vocab_range(num_embeddings: int) -> tuple[int, int, int]:
     return start, max(0, min(per_rank, num_embeddings - start)), per_rank
 
 
-def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, num_embeddings: int, start: int, rows: int) -> None:
-    """This rank's rows of a whole-vocabulary checkpoint tensor (the padding rows stay zero)."""
+def vocab_rows(loaded: Any, num_embeddings: int, start: int, rows: int) -> Any:
+    """This rank's rows of a whole-vocabulary checkpoint tensor (or `CheckpointSlice`, or GGUF's blocks)."""
     if loaded.shape[0] != num_embeddings:
         raise ValueError(f"the vocabulary has {num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}")
+    return loaded.narrow(0, start, rows)
+
+
+def load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, num_embeddings: int, start: int, rows: int) -> None:
+    """This rank's rows of a whole-vocabulary checkpoint tensor (the padding rows stay zero)."""
     with torch.no_grad():
-        param.data[:rows].copy_(loaded.narrow(0, start, rows))
+        param.data[:rows].copy_(vocab_rows(loaded, num_embeddings, start, rows))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -80,11 +85,7 @@ class ParallelLMHead(Linear):
 
     def rank_part(self, loaded: Any, shard: Any = None) -> Any:
         """This rank's rows of the whole head's GGUF blocks, padded as the float weight is."""
-        if loaded.shape[0] != self.num_embeddings:
-            raise ValueError(
-                f"the vocabulary has {self.num_embeddings} rows, the checkpoint tensor {tuple(loaded.shape)}"
-            )
-        return loaded.narrow(0, self.start, self.rows).pad_rows(self.out_features)
+        return vocab_rows(loaded, self.num_embeddings, self.start, self.rows).pad_rows(self.out_features)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab]: every rank's logits in vocabulary order (the padding rows dropped)."""

@@ -199,9 +199,9 @@ class ColumnParallelLinear(Linear):
         _split_loader(self, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
-        _copy(param, self.rank_part(loaded, shard, param.dim() == 1))
+        _copy(param, self.rank_part(loaded, shard))
 
-    def rank_part(self, loaded: Any, shard: Any = None, is_bias: bool = False) -> Any:
+    def rank_part(self, loaded: Any, shard: Any = None) -> Any:
         """This rank's rows of a whole checkpoint tensor (or `CheckpointSlice`, or GGUF's blocks)."""
         rows = self.out_features
         return _narrow(loaded, 0, self.tp_rank * rows, rows, self.tp_size)
@@ -226,7 +226,7 @@ class RowParallelLinear(Linear):
             return
         _copy(param, self.rank_part(loaded, shard))
 
-    def rank_part(self, loaded: Any, shard: Any = None, is_bias: bool = False) -> Any:
+    def rank_part(self, loaded: Any, shard: Any = None) -> Any:
         """This rank's columns of a whole checkpoint tensor (or `CheckpointSlice`, or GGUF's blocks)."""
         cols = self.in_features
         return _narrow(loaded, 1, self.tp_rank * cols, cols, self.tp_size)
@@ -266,7 +266,7 @@ class MergedColumnParallelLinear(MergedLinear):
             return self.load_fused(param, loaded)
         return super().weight_loader(param, materialize(self.rank_part(loaded, shard)), shard)
 
-    def rank_part(self, loaded: Any, shard: str, is_bias: bool = False) -> Any:
+    def rank_part(self, loaded: Any, shard: str) -> Any:
         """This rank's part of `shard` (a whole checkpoint tensor, `CheckpointSlice` or GGUF's blocks)."""
         if shard in self.sections:
             return rank_sections(loaded, self.sections[shard])
@@ -334,8 +334,7 @@ def shard_rows(param: nn.Parameter, sections: list[int] | None = None) -> None:
     whole = sections or [param.shape[0] * tp.world_size]
 
     def load(p: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> None:
-        with torch.no_grad():
-            p.data.copy_(rank_sections(loaded, whole))
+        _copy(p, rank_sections(loaded, whole))
 
     param.weight_loader = load  # type: ignore[attr-defined]
     reads_slices(param)

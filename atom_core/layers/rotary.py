@@ -157,7 +157,7 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int, layer_type: str |
     kind = p["rope_type"]
     if kind not in INV_FREQ_SCALERS:
         raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(INV_FREQ_SCALERS)}")
-    if kind in ("yarn", "longrope") and (p.get("factor") is None or kind == "longrope"):
+    if kind == "longrope" or (kind == "yarn" and p.get("factor") is None):
         # implied by the two lengths (DeepSeek-V3's yarn; Phi-3's LongRoPE always)
         original = p.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
         p["original_max_position_embeddings"] = original

@@ -99,14 +99,14 @@ class ModelRunner:
         if not archs:
             raise ValueError(f"{config.model}: config.json names no 'architectures'; Atom picks the model class by it")
         model_cls = get_registry("models", pm).get(archs[0])
-        if get_tp_group().world_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+        tp = get_tp_group()
+        if tp.world_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
             raise ValueError(
                 f"{archs[0]} ({model_cls.__module__}.{model_cls.__qualname__}) does not support tensor parallel: "
                 f"its class does not set supports_tensor_parallel = True (it builds no parallel layers); "
                 f"use tensor_parallel_size=1"
             )
         spec = config.speculative_config
-        self.tp = tp = get_tp_group()
         proposer_cls = get_registry("proposers", pm).get(spec.method) if spec else None
         if tp.world_size > 1 and proposer_cls is not None and not proposer_cls.supports_tensor_parallel:
             assert spec is not None
