@@ -46,21 +46,18 @@ class CpuPagedAttention(TorchPagedAttention):
         # block). Nothing reads past a request's written positions, so fresh blocks need no clearing.
         self.ops.write_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         if meta.padded_block_tables is not None:
-            return self.rectangular(layer, q, meta) if layer.plain else self.with_options(layer, q, meta)
+            return self.rectangular(layer, q, meta)
         nk = meta.extra["kernel_reqs"]
         if nk == meta.num_reqs or self.tiles(q.shape[-1], q.dtype):
             return self._kernel(layer, q, meta, meta.num_reqs)
-        # long runs the kernel does not tile: torch's fused attention, or for a layer with
-        # options (window, sinks, soft-capping) the eager path that has them
-        rest = (
-            self.varlen if layer.plain else (lambda layer, q, k, v, meta, **kw: self.with_options(layer, q, meta, **kw))
-        )
+        # long runs the kernel does not tile: `varlen` (torch's fused attention, or the eager
+        # path a layer with options needs)
         if nk == 0:
-            return rest(layer, q, k, v, meta)
+            return self.varlen(layer, q, k, v, meta)
         out = torch.empty_like(q)
         t = int(meta.query_start_loc_cpu[nk])
         out[:t] = self._kernel(layer, q[:t], meta, nk)
-        return rest(layer, q, k, v, meta, first_req=nk, out=out)
+        return self.varlen(layer, q, k, v, meta, first_req=nk, out=out)
 
     def _kernel(self, layer, q: torch.Tensor, meta: AttentionMetadata, nk: int) -> torch.Tensor:
         if nk == meta.num_reqs:

@@ -59,10 +59,10 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
         self.write_kv(layer, k, v, meta)
-        if not layer.plain:
-            return self.with_options(layer, q, meta)
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
+        if not layer.plain:  # no chunked decode
+            return self.with_options(layer, q, meta)
         nd = meta.extra.get("decode_reqs", 0)
         if nd == 0:
             return self.varlen(layer, q, k, v, meta)
@@ -88,8 +88,11 @@ class TorchPagedAttention:
     def varlen(self, layer, q, k, v, meta: AttentionMetadata, first_req: int = 0, out=None) -> torch.Tensor:
         """Any number of new tokens per request, attending to their cached prefix and to each other.
 
-        Rows from `first_req` on; `out` holds the earlier rows' results when given.
+        Rows from `first_req` on; `out` holds the earlier rows' results when given. A layer with
+        options (window, sinks, soft-capping) takes the eager path that has them.
         """
+        if not layer.plain:
+            return self.with_options(layer, q, meta, first_req, out)
         if out is None:
             out = torch.empty_like(q)
         cu, ctx = meta.query_start_loc_cpu, meta.context_lens_cpu
@@ -146,8 +149,11 @@ class TorchPagedAttention:
         Every row gathers the same `[width]` blocks (left padding blocks, then its own), its
         queries are padded to the step's longest, and a mask hides the padding blocks, the
         slots past each request's tkv and the future (causal). Padding slots are zeroed
-        after the gather: whatever they hold never reaches the output.
+        after the gather: whatever they hold never reaches the output. (A layer with options
+        refuses it, `with_options`.)
         """
+        if not layer.plain:
+            return self.with_options(layer, q, meta)
         x = meta.extra
         table = meta.padded_block_tables  # [R, W]
         num_reqs, width = table.shape

@@ -190,14 +190,12 @@ class FusedMoE(nn.Module):
             return loaded.narrow(0, self.tp_rank * size, size) if split_here else loaded
         split = 1 if name == "w2" else 0  # the intermediate dimension
         whole = [rows, self.hidden_size if name == "w13" else size]
-        whole[split] *= self.tp_size if not self.expert_parallel else 1
+        whole[split] *= self.tp_size if split_here else 1
         if list(loaded.shape) != whole:
             raise ValueError(
                 f"expert {shard[1]} {shard[0]} expects shape {tuple(whole)}, the checkpoint tensor has {tuple(loaded.shape)}"
             )
-        if self.tp_size > 1 and not self.expert_parallel:
-            return loaded.narrow(split, self.tp_rank * size, size)
-        return loaded
+        return loaded.narrow(split, self.tp_rank * size, size) if split_here else loaded
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
