@@ -21,6 +21,7 @@ from gguf import Keys
 from torch import nn
 
 from atom_core.layers import RMSNorm, get_rope
+from atom_core.layers.rotary import rope_layer_types
 from atom_core.plugin_api import GGUFArchitecture, GGUFFile, Joined
 from atom_models.llama import (
     LLAMA_GGUF_TENSORS,
@@ -111,7 +112,7 @@ class GemmaModel(LlamaModel):
     def make_rotary(self, cfg: Any) -> nn.Module:
         """One table per layer type: Gemma 3's sliding and full layers rope with different bases."""
         dim, max_pos = self.rope_dim(cfg), cfg.max_position_embeddings
-        keyed = all(isinstance(v, dict) for v in (getattr(cfg, "rope_parameters", None) or {"": 0}).values())
+        keyed = rope_layer_types(cfg) is not None
         return nn.ModuleDict(
             {t: get_rope(cfg, dim, max_pos, t if keyed else None) for t in sorted(set(cfg.layer_types))}
         )

@@ -23,7 +23,7 @@ from atom_core.layers import (
     vocab_embedding,
 )
 from atom_core.layers.ops import GATED_ACTIVATIONS
-from atom_core.layers.rotary import rope_parameters
+from atom_core.layers.rotary import rope_layer_types, rope_parameters
 from atom_core.plugin_api import GGUFArchitecture, GGUFFile
 
 
@@ -33,17 +33,11 @@ def head_dim_of(cfg: Any) -> int:
 
 def partial_rope_dim(cfg: Any) -> int:
     """Rope rotates the first `partial_rotary_factor` of each attention head (all of it by default)."""
-    factor = rope_parameters(cfg, _any_layer_type(cfg)).get("partial_rotary_factor")
+    types = rope_layer_types(cfg)  # keyed by layer type: the rotary share is common to all
+    factor = rope_parameters(cfg, types[0] if types else None).get("partial_rotary_factor")
     if factor is None:
         factor = getattr(cfg, "partial_rotary_factor", None)
     return int(head_dim_of(cfg) * (factor or 1.0))
-
-
-def _any_layer_type(cfg: Any) -> str | None:
-    """A layer type to read rope parameters keyed by type from (the rotary share is common to all)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    keyed = params and all(isinstance(v, dict) for v in params.values())
-    return next(iter(params)) if keyed else None
 
 
 class LlamaAttention(nn.Module):

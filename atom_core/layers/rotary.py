@@ -13,12 +13,19 @@ import torch
 from torch import nn
 
 
+def rope_layer_types(hf_config: Any) -> list[str] | None:
+    """The layer types `rope_parameters` is keyed by (Gemma 3: "full_attention",
+    "sliding_attention"), or None where one set of parameters serves every layer."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return list(params) if params and all(isinstance(v, dict) for v in params.values()) else None
+
+
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """One dict whatever the config's age: transformers 5 `rope_parameters`, or older
     top-level `rope_theta` + `rope_scaling`. Where `rope_parameters` is keyed by layer type
-    (Gemma 3: "sliding_attention", "full_attention"), `layer_type`'s."""
+    (`rope_layer_types`), `layer_type`'s."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
+    if rope_layer_types(hf_config):
         if layer_type not in params:
             raise ValueError(
                 f"rope_parameters are keyed by layer type ({', '.join(params)}); the model asked for {layer_type!r}"
