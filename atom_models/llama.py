@@ -40,6 +40,13 @@ def partial_rope_dim(cfg: Any) -> int:
     return int(head_dim_of(cfg) * (factor or 1.0))
 
 
+def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x [tokens, heads, head_dim] with the first `rope_dim` values of each head rotated."""
+    if rope_dim == x.shape[-1]:
+        return apply_rotary(x.contiguous(), cos, sin)
+    return torch.cat((apply_rotary(x[..., :rope_dim].contiguous(), cos, sin), x[..., rope_dim:]), dim=-1)
+
+
 class LlamaAttention(nn.Module):
     qk_norm = False  # an RMSNorm over each head's q and k before rope (Qwen3, Gemma 3)
     norm_cls: type = RMSNorm
@@ -94,26 +101,20 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)
         nq, nkv = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nkv) * d :]
-        if not self.use_rope:  # a NoPE layer: positions reach it only through the causal mask
-            q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-        elif self.rope_dim < d:  # partial rotary: the first rope_dim values of each head turn
-            q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self._partial_rope(q, cos, sin), self._partial_rope(k, cos, sin)
-        elif self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, : nq * d].view(n, nq, d)), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)), cos, sin)
-        else:  # q and k sit side by side in the fused output: rotate both at once
+        if self.use_rope and self.rope_dim == d and not self.qk_norm:
+            # q and k sit side by side in the fused output: rotate both at once
             qk = apply_rotary(qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
+        else:
+            q, k = qkv[:, : nq * d].view(n, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.use_rope:  # (a NoPE layer's positions reach it only through the causal mask)
+                q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         return self.o_proj(self.attn(q, k, v))
 
-    def _partial_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rope_dim
-        return torch.cat((apply_rotary(x[..., :r].contiguous(), cos, sin), x[..., r:]), dim=-1)
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return partial_rotary(x, cos, sin, self.rope_dim)
 
 
 class LlamaMLP(nn.Module):

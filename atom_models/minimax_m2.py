@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atom_core.layers import FusedMoE, RMSNorm, all_reduce, apply_rotary, get_tp_group, select_experts, shard_rows
+from atom_core.layers import FusedMoE, RMSNorm, all_reduce, get_tp_group, select_experts, shard_rows
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES
 from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -46,11 +46,7 @@ class MiniMaxM2Attention(LlamaAttention):
         q = self.q_norm(qkv[:, : nq * d].contiguous()).view(n, nq, d)
         k = self.k_norm(qkv[:, nq * d : (nq + nkv) * d].contiguous()).view(n, nkv, d)
         v = qkv[:, (nq + nkv) * d :]
-        if self.rope_dim < d:
-            q, k = self._partial_rope(q, cos, sin), self._partial_rope(k, cos, sin)
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(self.rope(q, cos, sin), self.rope(k, cos, sin), v))
 
 
 class MiniMaxM2Gate(nn.Module):

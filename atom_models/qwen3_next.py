@@ -25,13 +25,12 @@ from atom_core.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     all_reduce,
-    apply_rotary,
     divide,
     get_tp_group,
     shard_rows,
 )
 from atom_core.plugin_api import SKIP, get_forward_context, packed_target
-from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, partial_rope_dim
+from atom_models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, partial_rope_dim, partial_rotary
 from atom_models.qwen3_moe import is_sparse_layer
 from atom_models.sparse_moe import SparseMoeBlock
 
@@ -210,19 +209,13 @@ class Qwen3NextAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.attn = Attention(nq, d, d**-0.5, nkv, layer_id, attn_type="mha")
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rope_dim
-        if r == x.shape[-1]:
-            return apply_rotary(x.contiguous(), cos, sin)
-        return torch.cat((apply_rotary(x[..., :r].contiguous(), cos, sin), x[..., r:]), dim=-1)
-
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n, d, nq, nkv = h.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qg, k, v = self.qkv_proj.split(self.qkv_proj(h))
         qg = qg.view(n, nq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, nq * d)
-        q = self._rope(self.q_norm(q), cos, sin)
-        k = self._rope(self.k_norm(k.reshape(n, nkv, d)), cos, sin)
+        q = partial_rotary(self.q_norm(q), cos, sin, self.rope_dim)
+        k = partial_rotary(self.k_norm(k.reshape(n, nkv, d)), cos, sin, self.rope_dim)
         out = self.attn(q.reshape(n, nq * d), k.reshape(n, nkv * d), v.contiguous())
         return self.o_proj(out * torch.sigmoid(gate))
 
