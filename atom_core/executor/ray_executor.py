@@ -33,7 +33,8 @@ class RankActor:
 
         from atom_core.executor.worker import read_error, run_worker
 
-        path = tempfile.mktemp(prefix="atom-rank-", suffix=".json")
+        fd, path = tempfile.mkstemp(prefix="atom-rank-", suffix=".json")
+        os.close(fd)  # the worker writes its error here, if it has one
         os.environ.update(env, ATOM_WORKER_ERROR_FILE=path)
         code = run_worker()
         return (
