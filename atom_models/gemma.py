@@ -27,8 +27,8 @@ from atom_models.llama import (
     LLAMA_GGUF_TENSORS,
     LlamaAttention,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
+    SandwichNormDecoderLayer,
     sliding_window_of,
 )
 
@@ -69,32 +69,13 @@ class Gemma3Attention(GemmaAttention):
     qk_norm = True
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(SandwichNormDecoderLayer):
     attention_cls: type = GemmaAttention
+    norm_cls = GemmaRMSNorm
 
     def __init__(self, cfg: Any, layer_id: int):
-        super().__init__()
+        super().__init__(cfg, layer_id)
         self.layer_type = cfg.layer_types[layer_id]
-        self.self_attn = self.attention_cls(cfg, layer_id)
-        self.mlp = LlamaMLP.from_config(cfg)
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-
-    def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`LlamaDecoderLayer.forward`'s contract: the stream is h + residual (h alone in the
-        first layer); returns (the MLP's normed output, the stream before it)."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3DecoderLayer(GemmaDecoderLayer):

@@ -17,6 +17,7 @@ from atom_core.layers import (
     RowParallelLinear,
     act_and_mul,
     apply_rotary,
+    apply_rotary_interleaved,
     compute_logits,
     get_rope,
     lm_head,
@@ -40,16 +41,25 @@ def partial_rope_dim(cfg: Any) -> int:
     return int(head_dim_of(cfg) * (factor or 1.0))
 
 
-def partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """x [tokens, heads, head_dim] with the first `rope_dim` values of each head rotated."""
+def partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool = False
+) -> torch.Tensor:
+    """x [tokens, heads, head_dim] with the first `rope_dim` values of each head rotated.
+
+    `interleaved`: the pairs are (x0, x1), (x2, x3), ... (GPT-J's and GLM's style) rather than
+    the two halves (GPT-NeoX's); the rotated part comes out de-interleaved, the same
+    permutation for q and k, so every dot product is as the model computes it.
+    """
+    rotate = apply_rotary_interleaved if interleaved else apply_rotary
     if rope_dim == x.shape[-1]:
-        return apply_rotary(x.contiguous(), cos, sin)
-    return torch.cat((apply_rotary(x[..., :rope_dim].contiguous(), cos, sin), x[..., rope_dim:]), dim=-1)
+        return rotate(x.contiguous(), cos, sin)
+    return torch.cat((rotate(x[..., :rope_dim].contiguous(), cos, sin), x[..., rope_dim:]), dim=-1)
 
 
 class LlamaAttention(nn.Module):
     qk_norm = False  # an RMSNorm over each head's q and k before rope (Qwen3, Gemma 3)
     norm_cls: type = RMSNorm
+    rope_interleaved = False  # rope rotates interleaved pairs (GLM), not the two halves
 
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
@@ -101,7 +111,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(h)
         nq, nkv = self.num_heads, self.num_kv_heads
         v = qkv[:, (nq + nkv) * d :]
-        if self.use_rope and self.rope_dim == d and not self.qk_norm:
+        if self.use_rope and self.rope_dim == d and not (self.qk_norm or self.rope_interleaved):
             # q and k sit side by side in the fused output: rotate both at once
             qk = apply_rotary(qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d), cos, sin)
             q, k = qk[:, :nq], qk[:, nq:]
@@ -114,7 +124,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return partial_rotary(x, cos, sin, self.rope_dim)
+        return partial_rotary(x, cos, sin, self.rope_dim, self.rope_interleaved)
 
 
 class LlamaMLP(nn.Module):
@@ -172,6 +182,41 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(h, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin), residual)
         return self.mlp(h), residual
+
+
+class SandwichNormDecoderLayer(nn.Module):
+    """A norm before and after each of attention and the MLP (Gemma 2/3, GLM-4): each block's
+    output is normed before it joins the residual stream."""
+
+    attention_cls: type = LlamaAttention
+    norm_cls: type = RMSNorm
+    # the checkpoint's names for the norms before attention, after it, before the MLP, after it
+    norm_names = (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
+
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, layer_id)
+        self.mlp = LlamaMLP.from_config(cfg)
+        for name in self.norm_names:
+            setattr(self, name, self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaDecoderLayer.forward`'s contract: the stream is h + residual (h alone in the
+        first layer); returns (the MLP's normed output, the stream before it)."""
+        pre_attn, post_attn, pre_mlp, post_mlp = (getattr(self, name) for name in self.norm_names)
+        if residual is None:
+            h, residual = pre_attn(h), h
+        else:
+            h, residual = pre_attn(h, residual)
+        h, residual = pre_mlp(post_attn(self.self_attn(h, cos, sin)), residual)
+        return post_mlp(self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -276,16 +321,24 @@ LLAMA_GGUF_TENSORS = {
 LLAMA_GGUF_PERMUTED = {T.ATTN_Q: "num_attention_heads", T.ATTN_K: "num_key_value_heads"}
 
 
-def gguf_attention_config(file: GGUFFile, config: dict) -> dict:
-    """`config` plus the grouped-query attention of a Llama-shaped GGUF (heads, head_dim, biases)."""
+def gguf_attention_config(file: GGUFFile, config: dict, partial_rotary: bool = False) -> dict:
+    """`config` plus the grouped-query attention of a Llama-shaped GGUF (heads, head_dim, biases).
+
+    `partial_rotary`: the family ropes part of each head where `rope.dimension_count` says
+    (GLM-4); elsewhere a rope narrower than the head is refused (llama.cpp's Q/K permutation
+    assumes the whole head)."""
     arch, heads = file.architecture, config["num_attention_heads"]
     if (rope := config["rope_parameters"]["rope_type"]) not in ("default", "linear"):
         raise ValueError(f"{arch!r} GGUF with rope scaling {rope!r} is not supported")
     head_dim = int(file.get(Keys.Attention.KEY_LENGTH, config["hidden_size"] // heads))
     if int(file.get(Keys.Attention.VALUE_LENGTH, head_dim)) != head_dim:
         raise ValueError(f"{arch!r} GGUF with key_length != value_length is not supported")
-    if int(file.get(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
-        raise ValueError(f"{arch!r} GGUF with partial rotary embeddings is not supported")
+    if (rope_dim := int(file.get(Keys.Rope.DIMENSION_COUNT, head_dim))) != head_dim:
+        if not partial_rotary:
+            raise ValueError(f"{arch!r} GGUF with partial rotary embeddings is not supported")
+        config = config | {
+            "rope_parameters": config["rope_parameters"] | {"partial_rotary_factor": rope_dim / head_dim}
+        }
     return config | {
         "num_key_value_heads": int(file.get(Keys.Attention.HEAD_COUNT_KV, heads)),
         "head_dim": head_dim,

@@ -144,7 +144,12 @@ _SENTENCES = [
     "def add(a, b):\n    return a + b\n",
     "1 + 1 = 2, 2 + 2 = 4, 10 * 10 = 100.",
 ]
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|user|>",
+]  # ids 0, 1, 2, 3 (GLM's converter asks for <|user|>)
 
 
 def write_tiny_tokenizer(folder: Path, vocab_size: int = 256) -> None:

@@ -38,6 +38,8 @@ FAMILIES = [
     "phi3",  # partial rotary, LongRoPE
     "smollm3",  # a NoPE layer
     "gpt_oss",  # sinks, biased experts
+    "glm",  # rope over interleaved pairs
+    "glm4",  # four norms a layer
     "glm4_moe",
     "minimax_m2",
     "qwen3",

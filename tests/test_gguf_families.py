@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own converter load in Atom, for every family Atom runs
-and llama.cpp writes: Llama (with Llama 3's rope scaling too), Qwen2, Qwen3, Qwen3-MoE, Mixtral,
-DeepSeek-V2 and -V3.
+and llama.cpp writes: Llama (with Llama 3's rope scaling too; Mistral is written as Llama),
+Qwen2, Qwen3, Qwen3-MoE, Mixtral, SmolLM3, GLM-4, DeepSeek-V2 and -V3.
 
 Tiny random transformers models (tests/model_utils.py) are converted by
 `convert_hf_to_gguf.py` from the llama-cpp-python sdist (tests/gguf_convert.py fetches it
@@ -40,8 +40,13 @@ FAMILIES = {
     "llama": ("llama", {}, "f32"),  # Q/K rows permuted by the converter
     # Llama 3.1 / 3.2 rope scaling: the file keeps only the per-dimension factors (rope_freqs)
     "llama3_rope": ("llama_tied_rope3", {}, "f32"),
+    # written as "llama" (llama.cpp keeps no window): a Mistral without one is a Llama
+    "mistral": ("mistral", dict(sliding_window=None), "f32"),
     "qwen2": ("qwen2", dict(use_sliding_window=False), "f32"),  # q/k/v biases (llama.cpp keeps no window)
     "qwen3": ("qwen3", {}, "f32"),  # tied embeddings, head_dim != hidden / heads
+    "glm4": ("glm4", {}, "f32"),  # half of each head roped in interleaved pairs; gate/up fused; post-norms
+    # NoPE in every fourth layer: llama.cpp's rule (transformers' default), not the file's
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layers=None), "f32"),
     # llama.cpp's qwen3moe has no dense layers and always renormalises the top-k weights
     "qwen3_moe": ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=True), "f32"),
     "mixtral": ("mixtral", {}, "f32"),  # written as "llama" with stacked experts
@@ -55,6 +60,7 @@ FAMILIES = {
     ),
     # Q8_0 blocks: the quantized export of permuted Q/K and of stacked experts
     "mixtral_q8_0": ("mixtral", {}, "q8_0"),
+    "glm4_q8_0": ("glm4", {}, "q8_0"),  # gate and up in one tensor of blocks
 }
 PROMPTS = random_prompts([5, 23, 47], seed=3)
 NEW_TOKENS = 12
@@ -96,7 +102,8 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
     # The weights are the checkpoint's, bit for bit (F32), under the hub's names.
     config, state = load_gguf(path)
     expected = load_file(str(folder / "model.safetensors"))
-    assert config["architectures"] == [arch["cls"]]
+    cls = "LlamaForCausalLM" if family == "mistral" else arch["cls"]
+    assert config["architectures"] == [cls]
     if family == "llama3_rope":  # factor 8 for the low frequencies, 1 for the high ones
         factors = config["rope_freq_factors"]
         assert (max(factors), min(factors), len(factors)) == (
@@ -111,7 +118,7 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
     kw = dict(dtype="float32", quantization="none", **ENGINE)
     engine = LLMEngine(path, **kw)
     assert Path(engine.config.model).parent == tmp_path / "atom-cache" / "models"  # converted once, cached
-    assert type(engine.runner.model).__name__ == arch["cls"]
+    assert type(engine.runner.model).__name__ == cls
     reference = LLMEngine(folder, **kw)
     tokens, logits = _greedy(engine)
     ref_tokens, ref_logits = _greedy(reference)
@@ -160,13 +167,34 @@ def test_expert_and_permuted_blocks_are_exported_exactly(converted, tmp_path):
     assert all(isinstance(k, Int8PackGemm) or (isinstance(k, StreamingGroupGemm) and k.bits == 8) for k in kernels)
 
 
+def test_blocks_of_a_tensor_fused_on_disk_are_cut_into_the_layers_shards(converted):
+    """GLM-4's gate and up are one Q8_0 tensor in the file: its blocks are cut into the
+    layer's shards and kept, and the model gives the dequantized file's logits."""
+    from atom_core.layers.gemm import gemv_ops
+
+    require_kernel(gemv_ops())
+    _, path = converted["glm4_q8_0"]
+    auto = LLMEngine(path, dtype="float32", quantization="auto", **ENGINE)
+    fused = [m.packed_weight for n, m in auto.runner.model.named_modules() if n.endswith("mlp.gate_up_proj")]
+    assert len(fused) == 2 and all(isinstance(k, StreamingGroupGemm) and k.bits == 8 for k in fused)
+    plain = LLMEngine(path, dtype="float32", quantization="none", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    logits = []
+    for engine in (auto, plain):
+        engine.generate(PROMPTS, params, use_tqdm=False)
+        logits.append(engine.runner.last_logits.clone())
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-3, rtol=2e-3)
+
+
 def test_a_plugin_adds_a_gguf_architecture(converted, tmp_path, plugin_manager):
     """An architecture no plugin describes is refused, naming the ones there are; one a plugin
     registers through `atom_register_gguf_architectures` loads."""
     _, llama_path = converted["llama"]
     path = tmp_path / "fork.gguf"
     _rename_architecture(llama_path, path, "llamafork")
-    with pytest.raises(ValueError, match=r"'llamafork'.*deepseek2, gemma3, llama, qwen2, qwen3, qwen3moe") as e:
+    with pytest.raises(
+        ValueError, match=r"'llamafork'.*deepseek2, gemma3, glm4, llama, qwen2, qwen3, qwen3moe, smollm3"
+    ) as e:
         load_gguf(path)
     assert "atom_register_gguf_architectures" in str(e.value)
 

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from conftest import require_kernel  # noqa: E402
+from model_utils import ARCHS, build_tiny_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from atom_core import Config, SamplingParams  # noqa: E402
@@ -515,8 +516,6 @@ def test_int4_and_int8_quantize_every_linear_and_the_head_as_asked(tmp_path, mod
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_int4_quantizes_moe_experts_expert_by_expert(tmp_path, arch):
     require_kernel(gemv_ops())  # what it checks is the streaming kernel's
-    from model_utils import build_tiny_model
-
     from atom_core.layers import FusedMoE
 
     build_tiny_model(arch, tmp_path)
@@ -578,3 +577,57 @@ def test_a_layer_the_group_size_does_not_divide_is_an_error_naming_both():
 def test_stacking_shards_of_different_formats_is_refused():
     with pytest.raises(ValueError, match="cannot stack 4-bit groups of 32, 8-bit per channel"):
         QuantizedWeight.cat([quantize_int4(weight(16, 64)), quantize_int8(weight(16, 64))])
+
+
+# --- every family quantized -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def family(request, tmp_path_factory):
+    """(arch, folder, float32 logits of PROMPTS) of each tiny family in model_utils.ARCHS."""
+    folder = tmp_path_factory.mktemp(request.param)
+    build_tiny_model(request.param, folder)
+    return request.param, folder, last_logits(LLMEngine(folder, **FAMILY_KW), PROMPTS)
+
+
+def kernel_bits(kernel) -> int | None:
+    if isinstance(kernel, Int8PackGemm):
+        return 8
+    return kernel.bits if isinstance(kernel, StreamingGroupGemm) else None
+
+
+FAMILY_KW = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_every_family_runs_quantized_with_every_linear_and_expert_quantized(family, mode):
+    """int8 / int4 apply to every family: each quantizable Linear and every routed expert runs a
+    group kernel of those bits, and the logits stay near the float model's."""
+    require_kernel(gemv_ops())
+    from atom_core.layers import FusedMoE
+
+    arch, folder, ref = family
+    engine = LLMEngine(folder, quantization=mode, **FAMILY_KW)
+    model = engine.runner.model
+    bits = 8 if mode == "int8" else 4
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.quantizable and not m.is_lm_head}
+    kernels = {n: getattr(m.packed_weight, "kernel", m.packed_weight) for n, m in linears.items()}
+    for moe_name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)):
+        assert moe.w13 is None and len(moe.expert_gemms) == moe.num_experts
+        kernels |= {
+            f"{moe_name}.{e}.{i}": k for e, pair in enumerate(moe.expert_gemms) for i, (_, k) in enumerate(pair)
+        }
+    # a layer the group does not divide goes to int8 per output channel (warned at load)
+    widths = {n: m.in_features for n, m in linears.items()}
+    wrong = {
+        n: type(k).__name__
+        for n, k in kernels.items()
+        if kernel_bits(k) != (bits if widths.get(n, 32) % 32 == 0 else 8)
+    }
+    assert linears and not wrong, wrong
+    out = last_logits(engine, PROMPTS)
+    rel = ((out - ref).norm(dim=1) / ref.norm(dim=1)).max()
+    # random weights: int4 groups of 32 are 8% noise a layer; noise that flips a near-tied
+    # expert moves a routed family's logits further (up to 0.99 here, Qwen3-Next at int4)
+    limit = (0.5 if mode == "int4" else 0.1) * (3 if ARCHS[arch].get("bf16_routing_flips") else 1)
+    assert rel < limit, rel

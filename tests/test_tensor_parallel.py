@@ -48,6 +48,7 @@ CASES = {
     "deepseek_v2": ("deepseek_v2_greedy", {}),  # MLA without a query latent: q split beside a whole kv_a
     "gemma3": ("gemma3", {}),  # a sliding window, rope per layer type, one KV head replicated
     "gpt_oss-expert-parallel": ("gpt_oss", {"enable_expert_parallel": True}),  # sinks split by heads, biased experts
+    "glm4": ("glm4", {}),  # gate/up fused on disk, split per shard; interleaved partial rope; post-norms
     "minimax_m2": ("minimax_m2", {}),  # q/k norms over the whole projection: their mean of squares all-reduced
 }
 

@@ -168,6 +168,14 @@ class MergedLinear(Linear):
         return None
 
     def load_fused(self, param: nn.Parameter, loaded: Any) -> set:
+        parts = self.split_fused(loaded)
+        for shard, part in parts.items():
+            self.weight_loader(param, materialize(part), shard)
+        return set(parts)
+
+    def split_fused(self, loaded: Any) -> dict[str, Any]:
+        """A tensor fused on disk (a checkpoint tensor, `CheckpointSlice` or GGUF's blocks) cut
+        into the whole shards it holds, in row order: each then loads as its own tensor would."""
         whole = getattr(self, "whole_sizes", {k: size for k, (_, size) in self.shard_offsets.items()})
         order = sorted(self.shard_offsets, key=lambda k: self.shard_offsets[k][0])
         if loaded.shape[0] != sum(whole[k] for k in order):
@@ -175,11 +183,11 @@ class MergedLinear(Linear):
                 f"a fused tensor of shards {', '.join(order)} expects {sum(whole[k] for k in order)} rows, "
                 f"the checkpoint tensor has shape {tuple(loaded.shape)}"
             )
-        start = 0
+        parts, start = {}, 0
         for k in order:
-            self.weight_loader(param, materialize(loaded.narrow(0, start, whole[k])), k)
+            parts[k] = loaded.narrow(0, start, whole[k])
             start += whole[k]
-        return set(order)
+        return parts
 
     def split(self, out: torch.Tensor) -> list[torch.Tensor]:
         return list(out.split([s for _, s in self.shard_offsets.values()], dim=-1))

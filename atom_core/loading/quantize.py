@@ -202,6 +202,10 @@ def _from_gguf(
             continue
         offsets = getattr(module, "shard_offsets", None)  # a MergedLinear: its shards in row order
         order = sorted(offsets, key=lambda s: offsets[s][0]) if offsets else [None]
+        if offsets and None in shards:  # fused on disk (GLM-4's gate_up): cut into the layer's shards
+            gguf_type, qw = shards[None]
+            cut = module.split_fused(qw) if qw is not None else dict.fromkeys(order)  # type: ignore[operator]
+            shards = {s: (gguf_type, part) for s, part in cut.items()}
         parts = [rank_part(name, module, s, shards.get(s)) for s in order]
         module.quant = from_blocks(name, parts, module.weight)
     for name, moe in experts.items():
