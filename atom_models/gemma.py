@@ -128,7 +128,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
 
 
-# --- GGUF (atom_core/loading/gguf/architecture.py): llama.cpp's "gemma3" ---------------------------------------
+# --- GGUF (atom_core/loading/gguf/architecture.py): llama.cpp's "gemma2" and "gemma3" ---------------------------
 
 _NORMS = {  # llama.cpp stores every Gemma norm as 1 + weight; transformers' weight is the offset
     T.OUTPUT_NORM: "model.norm.weight",
@@ -136,13 +136,11 @@ _NORMS = {  # llama.cpp stores every Gemma norm as 1 + weight; transformers' wei
     T.ATTN_POST_NORM: "model.layers.{bid}.post_attention_layernorm.weight",
     T.FFN_NORM: "model.layers.{bid}.pre_feedforward_layernorm.weight",
     T.FFN_POST_NORM: "model.layers.{bid}.post_feedforward_layernorm.weight",
-    T.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm.weight",
+    T.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm.weight",  # Gemma 3
     T.ATTN_K_NORM: "model.layers.{bid}.self_attn.k_norm.weight",
 }
-GEMMA3_GGUF_TENSORS = {kind: name for kind, name in LLAMA_GGUF_TENSORS.items() if kind not in _NORMS}
-# Every 6th layer attends fully (llama.cpp's `set_swa_pattern(6)` for gemma3); its sliding
-# layers rope with base 10000 whatever the file says for the full ones.
-GEMMA3_SWA_PATTERN = 6
+GEMMA_GGUF_TENSORS = {kind: name for kind, name in LLAMA_GGUF_TENSORS.items() if kind not in _NORMS}
+# Gemma 3's sliding layers rope with base 10000 where the file does not say (llama.cpp's default).
 GEMMA3_SLIDING_ROPE_THETA = 10000.0
 
 
@@ -150,35 +148,49 @@ def _minus_one(config: dict, weight: Any) -> Any:
     return weight - 1
 
 
-def _gguf_gemma3_config(file: GGUFFile, config: dict) -> dict:
-    heads = config["num_attention_heads"]
+def _gguf_gemma_config(file: GGUFFile, config: dict, swa_pattern: int, layers_27b: int) -> dict:
+    """What Gemma 2 and 3 files share. Every `swa_pattern`-th layer attends fully (llama.cpp's
+    `set_swa_pattern`, or the file's `sliding_window_pattern`); queries are scaled by
+    head_dim ** -0.5, or hidden / heads for the 27B (told apart by its layer count, as
+    llama.cpp does)."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
     head_dim = int(file.get(Keys.Attention.KEY_LENGTH, config["hidden_size"] // heads))
-    layers = config["num_hidden_layers"]
+    pattern = int(file.get(Keys.Attention.SLIDING_WINDOW_PATTERN, swa_pattern))
     return config | {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
         "num_key_value_heads": int(file.get(Keys.Attention.HEAD_COUNT_KV, heads)),
         "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,  # llama.cpp scales queries by head_dim ** -0.5 (270M to 12B)
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == layers_27b else head_dim,
         "intermediate_size": int(file.get(Keys.LLM.FEED_FORWARD_LENGTH, required=True)),
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_act": "gelu_pytorch_tanh",
-        "sliding_window": int(file.get(Keys.Attention.SLIDING_WINDOW, required=True)),
-        "layer_types": [
-            "full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention" for i in range(layers)
-        ],
-        "rope_parameters": {
-            "full_attention": config["rope_parameters"],
-            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_SLIDING_ROPE_THETA},
-        },
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "final_logit_softcapping": file.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        "attn_logit_softcapping": file.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING),
         "attention_bias": False,
     }
 
 
-GGUF_GEMMA3 = GGUFArchitecture(
-    _gguf_gemma3_config,
-    GEMMA3_GGUF_TENSORS,
-    joined={name: Joined((kind,), _minus_one) for kind, name in _NORMS.items()},
-)
+def _gguf_gemma2_config(file: GGUFFile, config: dict) -> dict:
+    return _gguf_gemma_config(file, config, swa_pattern=2, layers_27b=46) | {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "sliding_window": int(file.get(Keys.Attention.SLIDING_WINDOW, 4096)),  # llama.cpp's default for Gemma 2
+    }
+
+
+def _gguf_gemma3_config(file: GGUFFile, config: dict) -> dict:
+    sliding_theta = float(file.get(Keys.Rope.FREQ_BASE_SWA, GEMMA3_SLIDING_ROPE_THETA))
+    return _gguf_gemma_config(file, config, swa_pattern=6, layers_27b=62) | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "sliding_window": int(file.get(Keys.Attention.SLIDING_WINDOW, required=True)),
+        "rope_parameters": {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": sliding_theta},
+        },
+    }
+
+
+_GEMMA_JOINED = {name: Joined((kind,), _minus_one) for kind, name in _NORMS.items()}
+GGUF_GEMMA2 = GGUFArchitecture(_gguf_gemma2_config, GEMMA_GGUF_TENSORS, joined=_GEMMA_JOINED)
+GGUF_GEMMA3 = GGUFArchitecture(_gguf_gemma3_config, GEMMA_GGUF_TENSORS, joined=_GEMMA_JOINED)

@@ -39,8 +39,10 @@ def atom_register_gguf_architectures(registry):
     # By llama.cpp's `general.architecture` name; "llama" covers Mixtral (written as llama with experts).
     registry.register("llama", "atom_models.llama:GGUF_LLAMA")
     registry.register("qwen2", "atom_models.qwen3:GGUF_QWEN2")
+    registry.register("gemma2", "atom_models.gemma:GGUF_GEMMA2")
     registry.register("gemma3", "atom_models.gemma:GGUF_GEMMA3")
     registry.register("glm4", "atom_models.glm:GGUF_GLM4")
+    registry.register("phi3", "atom_models.phi3:GGUF_PHI3")
     registry.register("smollm3", "atom_models.smollm3:GGUF_SMOLLM3")
     registry.register("qwen3", "atom_models.qwen3:GGUF_QWEN3")
     registry.register("qwen3moe", "atom_models.qwen3_moe:GGUF_QWEN3_MOE")

@@ -152,8 +152,46 @@ SPECIAL_TOKENS = [
 ]  # ids 0, 1, 2, 3 (GLM's converter asks for <|user|>)
 
 
-def write_tiny_tokenizer(folder: Path, vocab_size: int = 256) -> None:
-    """A byte-level BPE (GPT-2's pre-tokenizer) of exactly `vocab_size` tokens, saved into `folder`."""
+def _corpus() -> list[str]:
+    rng = random.Random(0)  # made-up words, enough distinct pairs to fill any small vocabulary
+    syllables = ["ka", "to", "ri", "mu", "sen", "lo", "pa", "ve", "dri", "nu", "ga", "shi", "or", "el"]
+    words = [" ".join("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(12)) for _ in range(200)]
+    return _SENTENCES * 5 + words
+
+
+def write_tiny_sentencepiece_tokenizer(folder: Path, vocab_size: int = 256) -> None:
+    """A SentencePiece BPE model of `vocab_size` pieces as Gemma's is made (<pad>, <eos>, <bos>,
+    <unk> first; no dummy prefix, no normalisation), with the Gemma tokenizer transformers
+    builds from it: llama.cpp's converter reads Gemma 2's vocabulary from tokenizer.model only."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus()), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", character_coverage=1.0, add_dummy_prefix=False, normalization_rule_name="identity",
+        split_by_whitespace=False, remove_extra_whitespaces=False, minloglevel=2,
+    )  # fmt: skip
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    special = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer", **special}))
+    AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(folder))  # its tokenizer.json too
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 256, tokenizer_class: str | None = None) -> None:
+    """A byte-level BPE (GPT-2's pre-tokenizer) of exactly `vocab_size` tokens, saved into `folder`.
+
+    `tokenizer_class`: what tokenizer_config.json calls it (the converter reads Phi-3's vocabulary
+    as GPT-2's only when it says "GPT2Tokenizer", as Phi-4-mini's does)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -161,16 +199,16 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 256) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
-    rng = random.Random(0)  # made-up words, enough distinct pairs to fill any small vocabulary
-    syllables = ["ka", "to", "ri", "mu", "sen", "lo", "pa", "ve", "dri", "nu", "ga", "shi", "or", "el"]
-    words = [" ".join("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(12)) for _ in range(200)]
-    tok.train_from_iterator(_SENTENCES * 5 + words, trainer)
+    tok.train_from_iterator(_corpus(), trainer)
     if tok.get_vocab_size() != vocab_size:  # a corpus too small to fill the vocabulary
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, not {vocab_size}")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
     )
     fast.save_pretrained(str(folder))
+    if tokenizer_class is not None:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"tokenizer_class": tokenizer_class}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own converter load in Atom, for every family Atom runs
 and llama.cpp writes: Llama (with Llama 3's rope scaling too; Mistral is written as Llama),
-Qwen2, Qwen3, Qwen3-MoE, Mixtral, SmolLM3, GLM-4, DeepSeek-V2 and -V3.
+Qwen2, Qwen3, Qwen3-MoE, Mixtral, SmolLM3, GLM-4, Phi-3, Gemma 2, DeepSeek-V2 and -V3.
 
 Tiny random transformers models (tests/model_utils.py) are converted by
 `convert_hf_to_gguf.py` from the llama-cpp-python sdist (tests/gguf_convert.py fetches it
@@ -21,7 +21,7 @@ from conftest import require_kernel  # noqa: E402
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from gguf_convert import convert_many, write_tiny_tokenizer  # noqa: E402
+from gguf_convert import convert_many, write_tiny_sentencepiece_tokenizer, write_tiny_tokenizer  # noqa: E402
 from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -44,7 +44,11 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=None), "f32"),
     "qwen2": ("qwen2", dict(use_sliding_window=False), "f32"),  # q/k/v biases (llama.cpp keeps no window)
     "qwen3": ("qwen3", {}, "f32"),  # tied embeddings, head_dim != hidden / heads
-    "glm4": ("glm4", {}, "f32"),  # half of each head roped in interleaved pairs; gate/up fused; post-norms
+    "glm4": ("glm4", {}, "f32"),
+    # soft-capped scores and logits, sliding and full layers, (1 + w) norms; a SentencePiece vocabulary
+    "gemma2": ("gemma2", {}, "f32"),
+    # q/k/v and gate/up fused; half of each head roped; LongRoPE's factors as tensors; a window
+    "phi3": ("phi3", {}, "f32"),  # half of each head roped in interleaved pairs; gate/up fused; post-norms
     # NoPE in every fourth layer: llama.cpp's rule (transformers' default), not the file's
     "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layers=None), "f32"),
     # llama.cpp's qwen3moe has no dense layers and always renormalises the top-k weights
@@ -75,7 +79,10 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for family, (arch, overrides, outtype) in FAMILIES.items():
         folder = root / family
         build_tiny_model(arch, folder, **overrides)
-        write_tiny_tokenizer(folder)
+        if arch == "gemma2":
+            write_tiny_sentencepiece_tokenizer(folder)
+        else:
+            write_tiny_tokenizer(folder, tokenizer_class="GPT2Tokenizer" if arch == "phi3" else None)
         path = root / f"{family}.gguf"
         jobs.append((folder, path, outtype))
         out[family] = (folder, path)
@@ -111,9 +118,17 @@ def test_llama_cpp_gguf_gives_the_hf_folders_tokens(converted, family, tmp_path)
             1.0,
             config["hidden_size"] // config["num_attention_heads"] // 2,
         )
+    if family == "phi3":  # LongRoPE's factors, kept as tensors in the file, back in the config
+        hf_rope = ARCHS["phi3"]["kwargs"]["rope_parameters"]
+        for key in ("long_factor", "short_factor"):
+            assert config["rope_parameters"][key] == pytest.approx(hf_rope[key]), key
+        assert config["original_max_position_embeddings"] == 256 and config["sliding_window"] == 24
     assert sorted(state) == sorted(expected)
     for name, tensor in expected.items():
-        assert torch.equal(state[name], tensor), name
+        if arch["cls"].startswith("Gemma") and name.endswith("norm.weight"):  # (1 + w) - 1 in the file
+            torch.testing.assert_close(state[name], tensor, atol=1e-7, rtol=0, msg=name)
+        else:
+            assert torch.equal(state[name], tensor), name
 
     kw = dict(dtype="float32", quantization="none", **ENGINE)
     engine = LLMEngine(path, **kw)
@@ -193,7 +208,7 @@ def test_a_plugin_adds_a_gguf_architecture(converted, tmp_path, plugin_manager):
     path = tmp_path / "fork.gguf"
     _rename_architecture(llama_path, path, "llamafork")
     with pytest.raises(
-        ValueError, match=r"'llamafork'.*deepseek2, gemma3, glm4, llama, qwen2, qwen3, qwen3moe, smollm3"
+        ValueError, match=r"'llamafork'.*deepseek2, gemma2, gemma3, glm4, llama, phi3, qwen2, qwen3, qwen3moe, smollm3"
     ) as e:
         load_gguf(path)
     assert "atom_register_gguf_architectures" in str(e.value)

@@ -58,6 +58,15 @@ class GGUFFile:
         """The layers holding tensor `kind` (the MoE layers: `layers_with(FFN_GATE_INP)`)."""
         return [b for b in range(self.block_count) if self.has(kind, b, suffix)]
 
+    def values(self, kind: MODEL_TENSOR) -> list[float] | None:
+        """The values of a small per-model tensor that belongs in the config (rope factors),
+        or None where the file has none."""
+        name = f"{gguf.TENSOR_NAMES[kind]}.weight"
+        tensor = next((t for t in self.reader.tensors if t.name == name), None)
+        if tensor is None:
+            return None
+        return [float(v) for v in gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+
 
 @dataclass(frozen=True)
 class Joined:
@@ -93,6 +102,8 @@ class GGUFArchitecture:
     - `joined`: HF tensor name (with `{bid}`) -> `Joined`, for tensors llama.cpp split.
     - `select(file)`: another description for this file, or None for this one; for a GGUF
       architecture that stands for several HF ones (llama.cpp writes Mixtral as "llama").
+    - `config_tensors`: tensors that `config` reads into the config (`GGUFFile.values`),
+      not weights: Phi-3's LongRoPE factors. Llama 3's `rope_freqs` is read for every file.
     """
 
     config: Callable[[GGUFFile, dict], dict]
@@ -100,6 +111,7 @@ class GGUFArchitecture:
     permuted_rows: Mapping[MODEL_TENSOR, str] = field(default_factory=dict)
     joined: Mapping[str, Joined] = field(default_factory=dict)
     select: Callable[[GGUFFile], GGUFArchitecture | None] | None = None
+    config_tensors: frozenset[MODEL_TENSOR] = frozenset()
 
     def for_file(self, file: GGUFFile) -> GGUFArchitecture:
         chosen = self.select(file) if self.select is not None else None

@@ -80,8 +80,10 @@ def _architecture(file: GGUFFile) -> GGUFArchitecture:
     return description.for_file(file)
 
 
-# The per-dimension rope factors of llama3-style scaling: read into the config, not a weight.
-ROPE_FREQS_TENSOR = gguf.TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight"
+def _config_tensor_names(arch: GGUFArchitecture) -> set[str]:
+    """The tensors read into the config, not weights: llama3-style scaling's per-dimension
+    rope factors in every file, and those the description names."""
+    return {f"{gguf.TENSOR_NAMES[kind]}.weight" for kind in {MODEL_TENSOR.ROPE_FREQS, *arch.config_tensors}}
 
 
 def _common_config(file: GGUFFile) -> dict:
@@ -135,12 +137,11 @@ def _common_config(file: GGUFFile) -> dict:
     }
     if (ffn := file.get(Keys.LLM.FEED_FORWARD_LENGTH)) is not None:
         config["intermediate_size"] = int(ffn)
-    if file.has(MODEL_TENSOR.ROPE_FREQS):
+    if (factors := file.values(MODEL_TENSOR.ROPE_FREQS)) is not None:
         # llama3-style rope scaling (Llama 3.1 / 3.2): the file keeps the per-dimension factors
         # the rope frequencies are divided by, not the HF rope_scaling parameters they came
         # from; Atom's rotary embedding divides by them as llama.cpp does (`rotary.get_rope`).
-        freqs = next(t for t in file.reader.tensors if t.name == ROPE_FREQS_TENSOR)
-        config["rope_freq_factors"] = [float(v) for v in _dequantize(freqs).reshape(-1)]
+        config["rope_freq_factors"] = factors
     return config
 
 
@@ -241,7 +242,8 @@ def _per_expert(hf_name: str, stacked: torch.Tensor) -> Iterator[tuple[str, torc
 
 def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
     arch, config, plan = _describe(reader, dtype)
-    if unknown := [t.name for t in reader.tensors if t.name not in plan and t.name != ROPE_FREQS_TENSOR]:
+    in_config = _config_tensor_names(arch)
+    if unknown := [t.name for t in reader.tensors if t.name not in plan and t.name not in in_config]:
         raise ValueError(f"GGUF tensors with no {config['architectures'][0]} counterpart: {unknown[:8]}")
 
     state: dict[str, torch.Tensor] = {}
@@ -253,7 +255,7 @@ def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, 
         state[hf_name] = weight.to(dtype).contiguous()
 
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:  # in the config (`rope_freq_factors`)
+        if tensor.name in in_config:
             continue
         target = plan[tensor.name]
         weight = torch.from_numpy(_dequantize(tensor))
