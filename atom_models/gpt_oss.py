@@ -8,8 +8,11 @@
   (`experts.gate_up_proj` [experts, hidden, 2 x intermediate], input-major).
 
 Released checkpoints store the experts in MXFP4: 4-bit E2M1 values in blocks of 32 with an
-E8M0 scale each (`*_blocks`, `*_scales`). They are dequantized at load, and the log says so;
-keeping MXFP4 is later work.
+E8M0 scale each (`*_blocks`, `*_scales`). Twice an E2M1 value is an integer (0, 1, 2, 3, 4, 6,
+8, 12 and their negatives) and half an E8M0 scale a power of two, so each block is exactly an
+8-bit group of 32: under quantization="auto" (the default) the experts run from those,
+`FusedMoE.checkpoint_quant`; "none" dequantizes them, "int8" / "int4" requantize them from
+the dequantized weights. An MXFP4 kernel of its own (4 bits a weight) is later work.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from atom_core.layers import FusedMoE
 from atom_core.layers.checkpoint_slice import materialize
+from atom_core.layers.quantized_weight import QuantizedWeight
 from atom_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, sliding_window_of
 
 logger = logging.getLogger("atom")
@@ -40,6 +44,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., rows, groups, 32]
     values = values * torch.exp2(scales.to(torch.float32) - 127).unsqueeze(-1)
     return values.flatten(-2)
+
+
+def mxfp4_as_int8_groups(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values as `dequantize_mxfp4` as int8 [..., rows, groups * 32] times float32 scales
+    [..., rows, groups]: codes doubled into integers, exponents halved."""
+    lut = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
+    q = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)
+    return q, torch.exp2(scales.to(torch.float32) - 128)
 
 
 class GptOssAttention(LlamaAttention):
@@ -73,6 +85,7 @@ class GptOssMoE(nn.Module):
         for param in self.experts.parameters():
             param.weight_loader = self.load  # type: ignore[attr-defined]
         self._mxfp4: dict[str, Any] = {}  # a tensor's blocks waiting for its scales, or the reverse
+        self._exact: dict[str, list | None] = {}  # "gate_up" / "down": this rank's experts as 8-bit groups
         self.dequantized_mxfp4 = 0
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -93,6 +106,7 @@ class GptOssMoE(nn.Module):
             if blocks is None or scales is None:
                 return set()
             del self._mxfp4[which + "_blocks"], self._mxfp4[which + "_scales"]
+            self._keep_exact(which, blocks, scales)
             loaded = dequantize_mxfp4(blocks, scales).transpose(1, 2)  # input-major, as the float checkpoints
             self.dequantized_mxfp4 += 1
             part = ""
@@ -108,6 +122,31 @@ class GptOssMoE(nn.Module):
                 self.experts.weight_loader(param, tensor.contiguous(), one)
                 filled.add(one)
         return filled
+
+    def _keep_exact(self, which: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """This rank's experts of one MXFP4 tensor as 8-bit groups, cut as their float weights
+        are; once both tensors of the layer are in, the experts' `checkpoint_quant`."""
+        moe = self.experts
+        q, s = mxfp4_as_int8_groups(blocks, scales)  # [experts, out, in], [experts, out, in / 32]
+        parts: list | None = []
+        try:
+            for e in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
+                qw = QuantizedWeight(8, 32, q[e], s[e], None, "MXFP4")
+                if which == "gate_up":  # rows interleaved: gate, up, gate, ...
+                    halves = [qw.map_rows(lambda t, i=i: t[i::2].contiguous()) for i in (0, 1)]
+                    parts.append(
+                        QuantizedWeight.cat([moe.rank_part(h, (k, e)) for h, k in zip(halves, ("gate", "up"))])
+                    )
+                else:
+                    parts.append(moe.rank_part(qw, ("down", e)))
+        except ValueError as exc:  # a rank's cut through a group of 32: this layer runs its float weights
+            logger.info("GPT-OSS: MXFP4 experts dequantized, not kept as 8-bit groups: %s", exc)
+            parts = None
+        self._exact[which] = parts
+        if len(self._exact) == 2:
+            gate_up, down = self._exact.pop("gate_up"), self._exact.pop("down")
+            if gate_up is not None and down is not None:
+                moe.checkpoint_quant = (gate_up, down)
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
@@ -127,6 +166,10 @@ _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_
 class GptOssForCausalLM(LlamaForCausalLM):
     model_cls = GptOssModel
 
+    def __init__(self, hf_config: Any, atom_config: Any = None):
+        super().__init__(hf_config, atom_config)
+        self.quantization = getattr(atom_config, "quantization", "none")
+
     def map_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """Sinks into the attention layer; each layer's stacked expert tensors into the stacked
         experts, through `GptOssMoE.load` (they are whole layers, not one expert each)."""
@@ -141,7 +184,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def process_weights_after_loading(self) -> None:
         count = sum(m.dequantized_mxfp4 for m in self.modules() if isinstance(m, GptOssMoE))
-        if count:
+        if count and self.quantization != "auto":  # under "auto" kept as 8-bit groups: quantize_model says so
             logger.info(
                 "GPT-OSS: dequantized %d MXFP4 expert tensors at load (the experts run in the model's dtype)", count
             )

@@ -138,3 +138,69 @@ def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does(tmp_path):
         assert torch.equal(w13[x, two_i // 2 :], dense[x][:, 1::2].T)
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4
+
+
+def mxfp4_gpt_oss(folder, seed: int = 0, **overrides) -> None:
+    """A tiny GPT-OSS whose every expert tensor is stored as MXFP4 blocks and E8M0 scales, as
+    released checkpoints are."""
+    from model_utils import build_tiny_model
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model("gpt_oss", folder, hidden_size=64, num_local_experts=4, **overrides)
+    [path] = list(folder.glob("*.safetensors"))
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # input-major: [experts, in, out]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(122, 128, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_gpt_oss_mxfp4_experts_run_exactly_as_8_bit_groups(tmp_path, caplog):
+    """Under quantization="auto" the MXFP4 experts are kept, exactly, as 8-bit groups of 32 (the
+    codes doubled, the scales halved) and give the logits of the dequantized experts ("none")."""
+    from conftest import require_kernel
+
+    from atom_core import SamplingParams
+    from atom_core.engine.llm_engine import LLMEngine
+    from atom_core.layers import FusedMoE
+    from atom_core.layers.gemm import gemv_ops
+    from atom_core.layers.quantized_gemm import StreamingGroupGemm
+    from atom_models.gpt_oss import dequantize_mxfp4, mxfp4_as_int8_groups
+
+    require_kernel(gemv_ops())
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (2, 5, 3, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (2, 5, 3), generator=g, dtype=torch.uint8)
+    q, s = mxfp4_as_int8_groups(blocks, scales)
+    assert q.dtype == torch.int8 and q.shape == (2, 5, 96) and s.shape == (2, 5, 3)
+    assert torch.equal(
+        (q.float().unflatten(-1, (3, 32)) * s.unsqueeze(-1)).flatten(-2), dequantize_mxfp4(blocks, scales)
+    )
+
+    mxfp4_gpt_oss(tmp_path, intermediate_size=64)
+    kw = dict(dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    prompts, params = [[1, 2, 3, 4, 5], list(range(7, 40))], SamplingParams(temperature=0, max_tokens=1)
+    logits = {}
+    for mode in ("auto", "none"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="atom"):
+            engine = LLMEngine(tmp_path, quantization=mode, **kw)
+        moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+        if mode == "auto":
+            kernels = [k for m in moes for pair in m.expert_gemms for _, k in pair]
+            assert len(kernels) == 2 * 4 * 2 and all(isinstance(k, StreamingGroupGemm) and k.bits == 8 for k in kernels)
+            assert "as the checkpoint quantized them (MXFP4), exactly" in caplog.text
+            assert "dequantized" not in caplog.text
+        else:
+            assert all(m.expert_gemms is None and m.w13 is not None for m in moes)
+            assert "dequantized 4 MXFP4 expert tensors" in caplog.text
+        engine.generate(prompts, params, use_tqdm=False)
+        logits[mode] = engine.runner.last_logits.clone()
+    # The same weights; the kernel rounds activations per group of 32 to int16 (StreamingGroupGemm),
+    # which moved these logits by up to 0.1% of their scale: the bound GGUF's Q8_0 files are held to.
+    out, ref = logits["auto"], logits["none"]
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    assert ((out - ref).abs() <= 4 * 2.0**-8 * scale).all(), ((out - ref).abs() / scale).max()
+    assert torch.equal(out.argmax(1), ref.argmax(1))

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.executor.executor import TensorParallelError  # noqa: E402
+from atom_core.layers import FusedMoE  # noqa: E402
 
 TESTS = Path(__file__).parent
 ENGINE = dict(
@@ -491,3 +492,37 @@ def assert_quantized_ranks_agree(one, two, prompts) -> None:
         top = want[0].topk(2).values
         if top[0] - top[1] > 0.2:
             assert got[0].argmax() == want[0].argmax()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mxfp4_experts_kept_as_8_bit_groups_per_rank(tmp_path, expert_parallel):
+    """GPT-OSS's MXFP4 experts at 2 ranks: each rank keeps its cut of the blocks as 8-bit groups
+    (split experts: 32 of each expert's 64 intermediate columns; expert parallel: whole
+    experts) and agrees with one rank as any quantized model does."""
+    from test_moe_parity import mxfp4_gpt_oss
+
+    mxfp4_gpt_oss(tmp_path, intermediate_size=64)
+    with LLMEngine(tmp_path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE) as two:
+        moes = [m for m in two.runner.model.modules() if isinstance(m, FusedMoE)]
+        local = 2 if expert_parallel else 4  # rank 0's experts a layer: whole ones, or a cut of each
+        assert all(m.expert_gemms is not None and len(m.expert_gemms) == local for m in moes)
+        if not expert_parallel:
+            [(_, k13), (_, k2)] = moes[0].expert_gemms[0]
+            assert (k13.out_features, k2.in_features) == (64, 32)  # half of gate and of up; half of down's input
+        assert_quantized_ranks_agree(LLMEngine(tmp_path, **ENGINE), two, random_prompts((5, 23, 47), seed=3))
+
+
+def test_mxfp4_experts_a_rank_cannot_cut_in_whole_groups_run_in_float(tmp_path, caplog):
+    """32 intermediate columns at 2 ranks leave 16 of down's input a rank: no whole groups of 32,
+    so those experts are dequantized (the log says why) and still give one rank's tokens."""
+    from test_moe_parity import mxfp4_gpt_oss
+
+    mxfp4_gpt_oss(tmp_path, intermediate_size=32)
+    with caplog.at_level("INFO", logger="atom"), LLMEngine(tmp_path, tensor_parallel_size=2, **ENGINE) as two:
+        assert all(m.expert_gemms is None for m in two.runner.model.modules() if isinstance(m, FusedMoE))
+        assert "not kept as 8-bit groups" in caplog.text and "groups of 32" in caplog.text
+        prompts = random_prompts((5, 23), seed=3)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        tokens = [r["token_ids"] for r in two.generate(prompts, params, use_tqdm=False)]
+    one = LLMEngine(tmp_path, quantization="none", **ENGINE)
+    assert tokens == [r["token_ids"] for r in one.generate(prompts, params, use_tqdm=False)]

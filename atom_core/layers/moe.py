@@ -200,6 +200,10 @@ class FusedMoE(nn.Module):
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
     # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
     quant: tuple[list, list] | None = None
+    # The checkpoint's own quantized experts as a model's loader kept them, exactly, in a format
+    # the kernels run (GPT-OSS's MXFP4 as 8-bit groups), this rank's part: `quantize_model`
+    # makes them `quant` under quantization="auto" and drops them under any other setting.
+    checkpoint_quant: tuple[list, list] | None = None
     # Per expert ((gemm, weight) for w13, (gemm, weight) for w2) from the quantized kernels,
     # as `Linear` keeps its own (`_expert_gemms` falls back to `F.linear` on the stacks).
     expert_gemms: list | None = None

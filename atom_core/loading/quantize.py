@@ -64,11 +64,20 @@ def quantize_model(model: nn.Module, config: Any) -> None:
     An embedding tied to a quantized LM head then looks its rows up in the quantized weight.
     """
     mode = config.quantization
+    shipped = _take_checkpoint_quant(model)
     if mode == "none":
         return
     linears = quantizable_linears(model)
     experts = quantizable_experts(model)
     if mode == "auto":
+        for name, quant in shipped.items():
+            experts[name].quant = quant
+        if shipped:
+            origins = sorted({q.origin for pair in shipped.values() for qs in pair for q in qs})
+            logger.info(
+                "atom: kept the experts of %d MoE layers as the checkpoint quantized them (%s), exactly",
+                len(shipped), ", ".join(origins),
+            )  # fmt: skip
         blocks = Path(config.model) / GGUF_BLOCKS_FILE if config.model else None
         if blocks is None or not blocks.is_file():
             return  # not converted from GGUF: the checkpoint's weights as they are
@@ -98,6 +107,18 @@ def quantize_model(model: nn.Module, config: Any) -> None:
                 "quantization_group_size %d: %s", len(per_channel), group, ", ".join(per_channel[:4]),
             )  # fmt: skip
     _tie_embeddings(model)
+
+
+def _take_checkpoint_quant(model: nn.Module) -> dict[str, tuple[list, list]]:
+    """Each quantizable `FusedMoE`'s `checkpoint_quant` by name; every one is cleared (its
+    copies freed whatever the setting)."""
+    shipped = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE) and m.checkpoint_quant is not None:
+            if getattr(m, "quantizable", True):
+                shipped[name] = m.checkpoint_quant
+            m.checkpoint_quant = None
+    return shipped
 
 
 def _tie_embeddings(model: nn.Module) -> None:
