@@ -52,6 +52,10 @@ QWEN3_5_SHAPES = dict(
     ),
 )
 
+GLM_SHAPES = dict(
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2
+)
+
 ARCHS = {
     "llama": dict(
         cls="LlamaForCausalLM",
@@ -149,28 +153,10 @@ ARCHS = {
         bf16_routing_flips=True,
     ),
     "glm": dict(  # rope over interleaved pairs on half of each head, q/k/v biases, gate/up fused on disk
-        cls="GlmForCausalLM",
-        config="GlmConfig",
-        kwargs=dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=False,
-            pad_token_id=0,
-            eos_token_id=2,
-        ),  # fmt: skip
+        cls="GlmForCausalLM", config="GlmConfig", kwargs=GLM_SHAPES
     ),
     "glm4": dict(  # as GLM, with a norm after attention and after the MLP
-        cls="Glm4ForCausalLM",
-        config="Glm4Config",
-        kwargs=dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=False,
-            pad_token_id=0,
-            eos_token_id=2,
-        ),  # fmt: skip
+        cls="Glm4ForCausalLM", config="Glm4Config", kwargs=GLM_SHAPES
     ),
     "glm4_moe": dict(  # q/k/v biases, half the head rotated, per-head q/k norms; DeepSeek-V3's router
         cls="Glm4MoeForCausalLM",
