@@ -109,6 +109,28 @@ def test_rows_it_cannot_serve_take_the_plain_head():
 
 
 @needs_kernels
+def test_a_head_whose_rows_keep_coming_out_flat_skips_the_screen_for_a_while(monkeypatch):
+    """FLAT_STREAK flat rows in a row: the next BACKOFF calls go straight to the plain head
+    (an untrained model's flat logits would otherwise pay both passes at every step); then
+    the screen is tried again, and a row it can serve resets the streak."""
+    from atom_core.layers import argmax_screen
+
+    w = near_tie_weight(300, 64, torch.float32, seed=2)
+    screen, packed = screen_of(w)
+    calls = []
+    real = ArgmaxScreen.screened
+    monkeypatch.setattr(ArgmaxScreen, "screened", lambda self, x, b: calls.append(1) or real(self, x, b))
+    flat = torch.zeros(1, 64)
+    for _ in range(argmax_screen.FLAT_STREAK + argmax_screen.BACKOFF):
+        assert torch.equal(screened(screen, flat, packed), screen.inner(flat, packed, None))
+    assert len(calls) == argmax_screen.FLAT_STREAK  # then BACKOFF calls without it
+    x = torch.randn(1, 64) * 10
+    out = screened(screen, x, packed)  # tried again: a row it serves, -inf off the maximum
+    assert len(calls) == argmax_screen.FLAT_STREAK + 1 and torch.isinf(out).any()
+    assert out.argmax() == screen.inner(x, packed, None).argmax() and screen.flat_streak == 0
+
+
+@needs_kernels
 def test_a_bias_that_is_not_finite_takes_the_plain_head():
     w = near_tie_weight(300, 64, torch.float32, seed=3)
     bias = torch.zeros(300)

@@ -33,7 +33,8 @@ whose sampler can use it (`linear.prepare_lm_head_screens`), else at the first s
 step, so a head that never screens (a draft's, or a target's under speculative decoding,
 whose GEMMs are batch-invariant) costs nothing. Rows beyond the streaming kernel's (over MAX_ROWS),
 rows that are not finite, a head with a bias that is not finite, and rows whose kept
-logits would be more than an eighth of the vocabulary (a flat row) take the plain head.
+logits would be more than an eighth of the vocabulary (a flat row) take the plain head; a
+head whose rows keep coming out flat skips the screen for a while (`FLAT_STREAK`, `BACKOFF`).
 Only float32 heads get one (`SCREENED_WEIGHTS`); ATOM_DISABLE_ARGMAX_SCREEN=1 turns it off.
 """
 
@@ -54,6 +55,12 @@ GROUP = 32
 ROUNDOFF = 2.0**-24  # float32's unit roundoff
 EPS = {torch.bfloat16: 2.0**-8 * 1.05, torch.float32: 2.0**-22}  # see the module's docstring
 MAX_KEPT = 1 / 8  # past this share of a row's logits, the plain head is cheaper
+# A head whose rows keep coming out flat (an untrained model's, or a stretch of high-entropy
+# text) would pay the 8-bit pass and then the plain head at every step: after FLAT_STREAK
+# screened calls in a row that fell back so, the next BACKOFF calls take the plain head
+# directly, then the screen is tried again. The logits are the plain head's either way.
+FLAT_STREAK = 4
+BACKOFF = 64
 
 
 class ArgmaxScreen:
@@ -63,13 +70,18 @@ class ArgmaxScreen:
         self.inner, self.out_features = inner, inner.out_features
         self.kernel: StreamingGroupGemm | None = None  # made at the first screened step
         self.usable = True
+        self.flat_streak = 0  # screened calls in a row that fell back on flat rows
+        self.skip = 0  # calls left that take the plain head directly (FLAT_STREAK, BACKOFF)
 
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
         if get_forward_context().argmax_only and 0 < rows <= self.inner.max_rows and x.dtype in EPS and self.usable:
-            out = self.screened(x, bias)
-            if out is not None:
-                return out
+            if self.skip:
+                self.skip -= 1
+            else:
+                out = self.screened(x, bias)
+                if out is not None:
+                    return out
         return self.inner(x, weight, bias)
 
     def build(self, bias: torch.Tensor | None) -> None:
@@ -113,7 +125,11 @@ class ArgmaxScreen:
         # near_max keeps x >= max - 2 eps (base + |max| + 1): base = bound (1 / eps + 2)
         hit_rows, hit_cols = near_max(self.kernel.qgemm(xf, bias), bound.mul_(1 / eps + 2), eps)
         if hit_cols.numel() > MAX_KEPT * x.shape[0] * self.out_features:
+            self.flat_streak += 1
+            if self.flat_streak >= FLAT_STREAK:
+                self.flat_streak, self.skip = 0, BACKOFF
             return None
+        self.flat_streak = 0
         out = torch.full((x.shape[0], self.out_features), float("-inf"), dtype=x.dtype)
         cols, where = torch.unique(hit_cols, return_inverse=True)
         exact = self.inner.columns(x, cols, bias)
