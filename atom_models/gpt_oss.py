@@ -87,6 +87,7 @@ class GptOssMoE(nn.Module):
         self._mxfp4: dict[str, Any] = {}  # a tensor's blocks waiting for its scales, or the reverse
         self._exact: dict[str, list | None] = {}  # "gate_up" / "down": this rank's experts as 8-bit groups
         self.dequantized_mxfp4 = 0
+        self.kept_exact = False  # its MXFP4 experts handed over as 8-bit groups (`checkpoint_quant`)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(h)
@@ -147,6 +148,7 @@ class GptOssMoE(nn.Module):
             gate_up, down = self._exact.pop("gate_up"), self._exact.pop("down")
             if gate_up is not None and down is not None:
                 moe.checkpoint_quant = (gate_up, down)
+                self.kept_exact = True
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
@@ -183,11 +185,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return f"{prefix}.{param}", ("stacked", which + suffix)
 
     def process_weights_after_loading(self) -> None:
-        count = sum(m.dequantized_mxfp4 for m in self.modules() if isinstance(m, GptOssMoE))
-        if count and self.quantization != "auto":  # under "auto" kept as 8-bit groups: quantize_model says so
+        moes = [m for m in self.modules() if isinstance(m, GptOssMoE)]
+        # under "auto" a layer whose experts were kept as 8-bit groups runs them (quantize_model says so)
+        count = sum(m.dequantized_mxfp4 for m in moes if not (m.kept_exact and self.quantization == "auto"))
+        if count:
             logger.info(
                 "GPT-OSS: dequantized %d MXFP4 expert tensors at load (the experts run in the model's dtype)", count
             )
-        for m in self.modules():
-            if isinstance(m, GptOssMoE):
-                m.dequantized_mxfp4 = 0
+        for m in moes:
+            m.dequantized_mxfp4, m.kept_exact = 0, False

@@ -521,6 +521,7 @@ def test_mxfp4_experts_a_rank_cannot_cut_in_whole_groups_run_in_float(tmp_path, 
     with caplog.at_level("INFO", logger="atom"), LLMEngine(tmp_path, tensor_parallel_size=2, **ENGINE) as two:
         assert all(m.expert_gemms is None for m in two.runner.model.modules() if isinstance(m, FusedMoE))
         assert "not kept as 8-bit groups" in caplog.text and "groups of 32" in caplog.text
+        assert "dequantized 4 MXFP4 expert tensors" in caplog.text
         prompts = random_prompts((5, 23), seed=3)
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         tokens = [r["token_ids"] for r in two.generate(prompts, params, use_tqdm=False)]
