@@ -243,10 +243,12 @@ def pick_quantized_gemm(
     if device.type == "cpu" and _cpu_kernels_available():
         try:
             kernel: Int8PackGemm | StreamingGroupGemm | Int4PackGemm
-            if qw.bits == 8 and qw.group_size == qw.shape[1]:
-                kernel = Int8PackGemm(qw)
-            elif qw.group_size == 32 and (ops := gemv_ops()) is not None:
+            # groups of 32 first: a 32-wide layer (a tensor-parallel rank's slice) is also one
+            # group a row, and takes the kernel its wider counterpart takes
+            if qw.group_size == 32 and (ops := gemv_ops()) is not None:
                 kernel = StreamingGroupGemm(qw, ops)
+            elif qw.bits == 8 and qw.group_size == qw.shape[1]:
+                kernel = Int8PackGemm(qw)
             else:
                 kernel = Int4PackGemm(qw)
             if exact_top:
