@@ -17,9 +17,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
-from gguf import MODEL_TENSOR
+import numpy as np
+from gguf import MODEL_TENSOR, GGMLQuantizationType
 
 __all__ = ["GGUFArchitecture", "GGUFFile", "Joined", "moe_tensors"]
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """float32 array in numpy (row-major, outermost-first) order."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        if qtype == GGMLQuantizationType.F64:
+            array = np.asarray(tensor.data, dtype=np.float32)
+        else:
+            array = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"tensor {tensor.name!r} has type {qtype.name}, which gguf {_gguf_version()} cannot dequantize"
+        ) from exc
+    array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    return array if array.flags.writeable else array.copy()
+
+
+def _gguf_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("gguf")
+    except Exception:  # pragma: no cover - only decorates an error message
+        return "(unknown version)"
 
 
 class GGUFFile:
@@ -65,7 +91,7 @@ class GGUFFile:
         tensor = next((t for t in self.reader.tensors if t.name == name), None)
         if tensor is None:
             return None
-        return [float(v) for v in gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+        return [float(v) for v in dequantize_tensor(tensor).reshape(-1)]
 
 
 @dataclass(frozen=True)

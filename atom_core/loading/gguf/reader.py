@@ -23,9 +23,9 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from gguf import MODEL_TENSOR, GGMLQuantizationType, Keys
+from gguf import MODEL_TENSOR, Keys
 
-from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined
+from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, dequantize_tensor
 
 __all__ = ["load_gguf", "supported_architectures"]
 
@@ -196,31 +196,6 @@ def _plan(file: GGUFFile, arch: GGUFArchitecture, config: dict) -> dict[str, _Ta
     return plan
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """float32 array in numpy (row-major, outermost-first) order."""
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    try:
-        if qtype == GGMLQuantizationType.F64:
-            array = np.asarray(tensor.data, dtype=np.float32)
-        else:
-            array = gguf.quants.dequantize(tensor.data, qtype)
-    except NotImplementedError as exc:
-        raise ValueError(
-            f"tensor {tensor.name!r} has type {qtype.name}, which gguf {_gguf_version()} cannot dequantize"
-        ) from exc
-    array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-    return array if array.flags.writeable else array.copy()
-
-
-def _gguf_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("gguf")
-    except Exception:  # pragma: no cover - only decorates an error message
-        return "(unknown version)"
-
-
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's rope permutation of Q/K rows (weights or biases).
 
@@ -258,7 +233,7 @@ def _load(reader: gguf.GGUFReader, dtype: torch.dtype) -> tuple[dict, dict[str, 
         if tensor.name in in_config:
             continue
         target = plan[tensor.name]
-        weight = torch.from_numpy(_dequantize(tensor))
+        weight = torch.from_numpy(dequantize_tensor(tensor))
         if target.joined is not None:
             got = parts.setdefault(target.hf_name, {})
             got[target.kind] = weight
