@@ -36,22 +36,24 @@ logger = logging.getLogger("atom")
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[..., rows, groups, 16] uint8 (two codes a byte, low nibble first) and [..., rows, groups]
-    uint8 exponents (E8M0, bias 127) -> float32 [..., rows, groups * 32]."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., rows, groups, 32]
-    values = values * torch.exp2(scales.to(torch.float32) - 127).unsqueeze(-1)
-    return values.flatten(-2)
-
-
 def mxfp4_as_int8_groups(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same values as `dequantize_mxfp4` as int8 [..., rows, groups * 32] times float32 scales
-    [..., rows, groups]: codes doubled into integers, exponents halved."""
+    """[..., rows, groups, 16] uint8 (two codes a byte, low nibble first) and [..., rows, groups]
+    uint8 exponents (E8M0, bias 127) -> int8 [..., rows, groups * 32] and float32 scales
+    [..., rows, groups] whose products are the MXFP4 values exactly: codes doubled into
+    integers, exponents halved."""
     lut = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8)
     q = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)
     return q, torch.exp2(scales.to(torch.float32) - 128)
+
+
+def int8_groups_to_float(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., rows, groups * 32] of `mxfp4_as_int8_groups`' output."""
+    return (q.float().unflatten(-1, (-1, 32)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., rows, groups * 32] of MXFP4 blocks and scales (as `mxfp4_as_int8_groups` takes them)."""
+    return int8_groups_to_float(*mxfp4_as_int8_groups(blocks, scales))
 
 
 class GptOssAttention(LlamaAttention):
@@ -107,8 +109,9 @@ class GptOssMoE(nn.Module):
             if blocks is None or scales is None:
                 return set()
             del self._mxfp4[which + "_blocks"], self._mxfp4[which + "_scales"]
-            self._keep_exact(which, blocks, scales)
-            loaded = dequantize_mxfp4(blocks, scales).transpose(1, 2)  # input-major, as the float checkpoints
+            q, s = mxfp4_as_int8_groups(blocks, scales)  # [experts, out, in], [experts, out, in / 32]
+            self._keep_exact(which, q, s)
+            loaded = int8_groups_to_float(q, s).transpose(1, 2)  # input-major, as the float checkpoints
             self.dequantized_mxfp4 += 1
             part = ""
         filled = set()
@@ -124,11 +127,11 @@ class GptOssMoE(nn.Module):
                 filled.add(one)
         return filled
 
-    def _keep_exact(self, which: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
-        """This rank's experts of one MXFP4 tensor as 8-bit groups, cut as their float weights
-        are; once both tensors of the layer are in, the experts' `checkpoint_quant`."""
+    def _keep_exact(self, which: str, q: torch.Tensor, s: torch.Tensor) -> None:
+        """This rank's experts of one MXFP4 tensor (as `mxfp4_as_int8_groups` gives it) as 8-bit
+        groups, cut as their float weights are; once both tensors of the layer are in, the
+        experts' `checkpoint_quant`."""
         moe = self.experts
-        q, s = mxfp4_as_int8_groups(blocks, scales)  # [experts, out, in], [experts, out, in / 32]
         parts: list | None = []
         try:
             for e in range(moe.first_expert, moe.first_expert + moe.num_local_experts):

@@ -161,13 +161,14 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_8_bit_groups(tmp_path, caplog):
     """Under quantization="auto" the MXFP4 experts are kept, exactly, as 8-bit groups of 32 (the
     codes doubled, the scales halved) and give the logits of the dequantized experts ("none")."""
     from conftest import require_kernel
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from atom_core import SamplingParams
     from atom_core.engine.llm_engine import LLMEngine
     from atom_core.layers import FusedMoE
     from atom_core.layers.gemm import gemv_ops
     from atom_core.layers.quantized_gemm import StreamingGroupGemm
-    from atom_models.gpt_oss import dequantize_mxfp4, mxfp4_as_int8_groups
+    from atom_models.gpt_oss import mxfp4_as_int8_groups
 
     require_kernel(gemv_ops())
     g = torch.Generator().manual_seed(1)
@@ -175,9 +176,8 @@ def test_gpt_oss_mxfp4_experts_run_exactly_as_8_bit_groups(tmp_path, caplog):
     scales = torch.randint(100, 140, (2, 5, 3), generator=g, dtype=torch.uint8)
     q, s = mxfp4_as_int8_groups(blocks, scales)
     assert q.dtype == torch.int8 and q.shape == (2, 5, 96) and s.shape == (2, 5, 3)
-    assert torch.equal(
-        (q.float().unflatten(-1, (3, 32)) * s.unsqueeze(-1)).flatten(-2), dequantize_mxfp4(blocks, scales)
-    )
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transformers' own: [experts, in, out]
+    assert torch.equal((q.float().unflatten(-1, (3, 32)) * s.unsqueeze(-1)).flatten(-2).transpose(1, 2), want)
 
     mxfp4_gpt_oss(tmp_path, intermediate_size=64)
     kw = dict(dtype="float32", num_kvcache_blocks=16, max_model_len=64)
