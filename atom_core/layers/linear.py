@@ -77,13 +77,15 @@ class Linear(nn.Linear):
     is_lm_head: bool = False
     # False keeps a layer in floating point whatever `Config.quantization` says (MoE routers).
     quantizable: bool = True
+    # `Config.activation_bits`, set with `quant`: what a 4-bit kernel rounds x to.
+    activation_bits: int = 16
 
     def process_weights_after_loading(self) -> None:
         if self.packed_weight is not None:
             return  # already done: the plain weight is gone
         if self.quant is not None:
             self.gemm, self.packed_weight = pick_quantized_gemm(
-                self.quant, self.weight.device, self.weight.dtype, exact_top=self.is_lm_head
+                self.quant, self.weight.device, self.weight.dtype, self.is_lm_head, self.activation_bits
             )
             self.quant = None  # the kernel holds its own copy (a tied embedding keeps this one)
             self.weight = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None

@@ -198,8 +198,10 @@ class FusedMoE(nn.Module):
         return loaded.narrow(split, self.tp_rank * size, size) if split_here else loaded
 
     packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) in the C++ loop's panels
-    # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized.
+    # Set by `quant.quantize_model` before kernels are picked: each expert's w13 and w2 quantized,
+    # and `Config.activation_bits` (what a 4-bit kernel rounds x to).
     quant: tuple[list, list] | None = None
+    activation_bits: int = 16
     # The checkpoint's own quantized experts as a model's loader kept them, exactly, in a format
     # the kernels run (GPT-OSS's MXFP4 as 8-bit groups), this rank's part: `quantize_model`
     # makes them `quant` under quantization="auto" and drops them under any other setting.
@@ -218,7 +220,7 @@ class FusedMoE(nn.Module):
         if self.quant is not None:
             device, dtype = self.w13.device, self.w13.dtype
             self.expert_gemms = [
-                (pick_quantized_gemm(q13, device, dtype), pick_quantized_gemm(q2, device, dtype))
+                tuple(pick_quantized_gemm(q, device, dtype, activation_bits=self.activation_bits) for q in (q13, q2))
                 for q13, q2 in zip(*self.quant)
             ]
             self.quant = self.w13 = self.w2 = None  # type: ignore[assignment]  # the kernels hold their own copies

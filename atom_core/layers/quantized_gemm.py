@@ -82,8 +82,10 @@ class StreamingGroupGemm:
 
     The weight is repacked in tiles of 16 output columns (see the kernel's comment) with
     float16 scale and min per group, exact for GGUF Q4_0/Q4_1/Q5_0/Q8_0 (Q4_K: rounded), and multiplied with
-    integer dot products (vpdpwssd) against x rounded per group of 32 to int16: about 16
-    significant bits, where torch's int4 kernel takes bfloat16 (8). It serves every row
+    integer dot products against x rounded per group of 32 to `activation_bits`: int16
+    (vpdpwssd; about 16 significant bits, where torch's int4 kernel takes bfloat16's 8) or,
+    for 4-bit weights, int8 (vpdpbusd, twice the products an instruction; what llama.cpp's
+    and OpenVINO's 4-bit GEMMs multiply). 8-bit weights always take int16. It serves every row
     count and computes each row alike whatever the count, so it is batch-invariant by
     construction (speculative decoding's verify rows round as plain decode rows do), and
     one copy of the weights serves decode and prefill.
@@ -92,11 +94,14 @@ class StreamingGroupGemm:
     batch_invariant = True
     TILE = 16
 
-    def __init__(self, qw: QuantizedWeight, ops: Any):
+    def __init__(self, qw: QuantizedWeight, ops: Any, activation_bits: int = 16):
         n, k = qw.shape
         if qw.group_size != 32 or k % 32:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
         self.ops, self.bits = ops, qw.bits
+        self.activation_bits = activation_bits if qw.bits == 4 else 16  # 8-bit weights: always 16
         self.out_features, self.in_features = n, k
         self.qweight, self.scales, self.mins = map(resident, self.pack(*self.codes(qw), qw.bits))
 
@@ -140,8 +145,10 @@ class StreamingGroupGemm:
     def qgemm(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The kernel on 2-D rows; as the torch op while `torch.compile` traces (pybind calls break its graph)."""
         if torch.compiler.is_compiling():
-            return compiled_op(self.ops, "qgemm")(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
-        return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias)
+            return compiled_op(self.ops, "qgemm")(
+                rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits
+            )
+        return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits)
 
 
 class Int8PackGemm:
@@ -222,7 +229,9 @@ def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: to
     """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
     decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
     if x.dim() == 2 and bias is None and not torch.compiler.is_compiling():
-        return kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None)
+        return kernel.ops.qgemm(
+            x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None, kernel.activation_bits
+        )
     return quantized_linear(x, kernel, bias)
 
 
@@ -231,14 +240,20 @@ def _cpu_kernels_available() -> bool:
 
 
 def pick_quantized_gemm(
-    qw: QuantizedWeight, device: torch.device, dtype: torch.dtype, exact_top: bool = False
+    qw: QuantizedWeight,
+    device: torch.device,
+    dtype: torch.dtype,
+    exact_top: bool = False,
+    activation_bits: int = 16,
 ) -> tuple[Callable, Any]:
     """The GEMM for a quantized weight and what it takes as its weight argument.
 
-    On CPU the torch kernels above (int8 per channel -> `_weight_int8pack_mm`, the rest ->
-    `_weight_int4pack_mm_for_cpu`), wrapped in `ExactTopLogits` for an LM head
-    (`exact_top`); elsewhere, or for a shape the kernels refuse, the weight is dequantized
-    once to `dtype` and takes the float path (`pick_gemm`).
+    On CPU the streaming kernel for groups of 32 (4-bit weights against x rounded to
+    `activation_bits`), the torch kernels above for the rest (int8 per channel ->
+    `_weight_int8pack_mm`, others -> `_weight_int4pack_mm_for_cpu`), wrapped in
+    `ExactTopLogits` for an LM head (`exact_top`, whose x keeps 16 bits); elsewhere, or for a
+    shape the kernels refuse, the weight is dequantized once to `dtype` and takes the float
+    path (`pick_gemm`).
     """
     if device.type == "cpu" and _cpu_kernels_available():
         try:
@@ -246,7 +261,7 @@ def pick_quantized_gemm(
             # groups of 32 first: a 32-wide layer (a tensor-parallel rank's slice) is also one
             # group a row, and takes the kernel its wider counterpart takes
             if qw.group_size == 32 and (ops := gemv_ops()) is not None:
-                kernel = StreamingGroupGemm(qw, ops)
+                kernel = StreamingGroupGemm(qw, ops, 16 if exact_top else activation_bits)
             elif qw.bits == 8 and qw.group_size == qw.shape[1]:
                 kernel = Int8PackGemm(qw)
             else:

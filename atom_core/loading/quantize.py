@@ -69,6 +69,8 @@ def quantize_model(model: nn.Module, config: Any) -> None:
         return
     linears = quantizable_linears(model)
     experts = quantizable_experts(model)
+    for module in (*linears.values(), *experts.values()):
+        module.activation_bits = config.activation_bits  # read where the kernels are picked
     if mode == "auto":
         for name, quant in shipped.items():
             experts[name].quant = quant

@@ -234,19 +234,30 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
 // 4 bits: q in 0..15, m = zero - 8 * scale in quant.py's terms (the group minimum for Q4_1).
 // 8 bits: q + 128 in 0..255, m = -128 d.
 //
-// Each row of x becomes int16 values per group of 32, x = dx q16 with dx = max|x| / 32767
-// (about 16 significant bits, where llama.cpp's int8 vector keeps 8 and bfloat16 keeps 8).
+// Each row of x is rounded per group of 32 to integers, x = dx qx with dx = max|x| / 32767
+// (act_bits 16: about 16 significant bits) or max|x| / 127 (act_bits 8, 4-bit weights only:
+// what llama.cpp's Q8_1 vectors and OpenVINO's dynamic quantization keep). The group then
+// adds d dx sum(q qx) + m sum(x) to each column's float sum: one conversion and two fused
+// multiply-adds, sum(x) the float32 sum of the group's own values.
+//
 // The weight is packed in tiles of 16 output columns (quant.py's `StreamingGroupGemm`): for
 // each tile and group, 16 vectors W_p (p = 0..15), lane c of W_p holding column c's two
-// values at k = 2p, 2p + 1 as int16 pairs. One vpdpwssd (AVX-512 VNNI; elsewhere vpmaddwd
-// and an add, the same exact integers) of W_p against the broadcast pair (x_2p, x_2p+1)
-// adds 32 products into the 16 columns' int32 sums, so a group takes 16 of them per row,
-// then one conversion and two fused multiply-adds add d dx sum(q q16) + m sum(x) to the 16
-// columns' float sums. With AVX2 a W_p is two 8-lane halves. No horizontal reductions, and
-// each unpacked W_p serves up to QROWS rows of x. The portable build runs the same sums in
-// scalar code. 4 bits: a tile-group is 256 bytes, 64 for
-// each W_4j .. W_4j+3, whose values at lane i sit in the four nibbles of int16 i (one and
-// or shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
+// values at k = 2p, 2p + 1 as int16 pairs. 4 bits: a tile-group is 256 bytes, 64 for each
+// W_4j .. W_4j+3, whose values at lane i sit in the four nibbles of int16 i (one and or
+// shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
+//
+// act_bits 16: one vpdpwssd (AVX-512 VNNI; elsewhere vpmaddwd and an add, the same exact
+// integers) of W_p against the broadcast pair (x_2p, x_2p+1) adds 32 products into the 16
+// columns' int32 sums: 16 of them a group and row.
+// act_bits 8: the same 64 bytes j read as bytes give two vectors of four 4-bit values a
+// column, the low nibbles (k = 8j + 0, 4, 1, 5) and the high ones (8j + 2, 6, 3, 7); x's
+// int8 values are stored in that order (`quad_k`), so one vpdpbusd (u8 weights times s8
+// x) adds 64 products: 8 a group and row, half the instructions. Without VNNI, vpmaddubsw
+// sums pairs into int16 (at most 2 * 15 * 127) and a group's eight such sums, at most
+// 30480, stay in int16 until one vpmaddwd by 1 widens them: exact integers either way.
+//
+// With AVX2 a vector is two 8-lane halves. No horizontal reductions, and each unpacked
+// vector serves up to QROWS rows of x. The portable build runs the same sums in scalar code.
 //
 // Every output is computed by the same instructions in the same order whatever the number
 // of rows M and wherever the row sits in the batch (integer sums are exact, the float ones
@@ -264,21 +275,38 @@ constexpr int QROWS = simd::kRegisters == 32 ? 8 : 4;  // rows of x each unpacke
 constexpr int QROWS = 1;
 #endif
 
-// x as int16 per group of 32, with dx and the float32 sum of each group. Rows are
-// interleaved in blocks of QROWS, so that the rows a pass takes are one pointer with
+// The k (0..31) of byte b of int32 word w in an int8 group: the order in which a 4-bit
+// tile-group's bytes hold the weights (word 2j: the low nibbles of its 64 bytes j, 2j + 1:
+// the high ones; byte b of a column's lane: int16 b / 2, nibbles 2 (b % 2) and 2 (b % 2) + 1).
+constexpr int quad_k(int w, int b) { return 8 * (w / 2) + 2 * (2 * (b % 2) + w % 2) + b / 2; }
+
+// x as ABITS-bit integers per group of 32, with dx and the float32 sum of each group. A
+// group is WORDS int32 words: int16 pairs (k = 2p, 2p + 1) or int8 quads (`quad_k`). Rows
+// are interleaved in blocks of QROWS, so that the rows a pass takes are one pointer with
 // constant offsets (a pointer per row ran out of general registers and spilled).
-struct Q16Rows {
-  std::vector<int32_t> q;  // int16 pairs (k = 2p, 2p + 1): see pair()
+template <int ABITS>
+struct QRows {
+  static constexpr int WORDS = ABITS == 16 ? 16 : 8;
+  static constexpr float LIMIT = ABITS == 16 ? 32767.f : 127.f;
+  std::vector<int32_t> q;  // see word()
   std::vector<float> scale, sum;  // see group()
-  int64_t pairs = 0, groups = 0;  // per row
-  int64_t pair(int64_t m, int64_t p) const { return ((m / QROWS) * pairs + p) * QROWS + m % QROWS; }
+  int64_t words = 0, groups = 0;  // per row
+  int64_t word(int64_t m, int64_t w) const { return ((m / QROWS) * words + w) * QROWS + m % QROWS; }
   int64_t group(int64_t m, int64_t g) const { return ((m / QROWS) * groups + g) * QROWS + m % QROWS; }
+  // word w of a group from its rounded values r[0..31]
+  static int32_t pack(const int32_t* r, int w) {
+    if constexpr (ABITS == 16) return static_cast<int32_t>((static_cast<uint32_t>(r[2 * w]) & 0xFFFFu) |
+                                                           (static_cast<uint32_t>(r[2 * w + 1]) << 16));
+    uint32_t v = 0;
+    for (int b = 0; b < 4; ++b) v |= (static_cast<uint32_t>(r[quad_k(w, b)]) & 0xFFu) << (8 * b);
+    return static_cast<int32_t>(v);
+  }
 };
 
-// One group of 32 values: q = round(x / dx) (to nearest even, as the vector conversions),
-// dx = max|x| / 32767, and the group's sum.
+// One group of 32 values: r = round(x / dx) (to nearest even, as the vector conversions),
+// dx = max|x| / limit, and the group's sum.
 template <typename T>
-inline void quantize_group(const T* x, int16_t* q, float& scale, float& sum) {
+inline void round_group(const T* x, float limit, int32_t* r, float& scale, float& sum) {
   using simd::vf;
   constexpr int V = 32 / L;  // vectors per group
   vf v[V];
@@ -289,44 +317,39 @@ inline void quantize_group(const T* x, int16_t* q, float& scale, float& sum) {
     total = simd::add(total, v[i]);
   }
   const float top = simd::reduce_max(amax);
-  const float inv = top > 0.f ? 32767.f / top : 0.f;
+  const float inv = top > 0.f ? limit / top : 0.f;
 #if defined(__AVX512F__)
   UNROLL for (int i = 0; i < V; ++i)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * L),
-                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)))));
+    _mm512_storeu_si512(r + i * L, _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv))));
 #elif defined(__AVX2__)
-  UNROLL for (int i = 0; i < V; i += 2) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], _mm256_set1_ps(inv)));
-    // packs works within 128-bit halves: put the quarters back in order
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * L),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0)));
-  }
+  UNROLL for (int i = 0; i < V; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + i * L), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))));
 #else
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<int16_t>(std::nearbyint(to_float(x[i]) * inv));
+  for (int i = 0; i < 32; ++i) r[i] = static_cast<int32_t>(std::nearbyint(to_float(x[i]) * inv));
 #endif
-  scale = top / 32767.f;
+  scale = top / limit;
   sum = simd::reduce_add(total);
 }
 
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, Q16Rows& out) {
+template <int ABITS, typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QRows<ABITS>& out) {
+  constexpr int W = QRows<ABITS>::WORDS;
   const int64_t padded = (M + QROWS - 1) / QROWS * QROWS;
-  out.pairs = K / 2;
   out.groups = K / 32;
-  out.q.resize(padded * out.pairs);
+  out.words = out.groups * W;
+  out.q.resize(padded * out.words);
   out.scale.resize(padded * out.groups);
   out.sum.resize(padded * out.groups);
   // Groups are independent: a prefill's worth (512 x 1536 values) is split over the threads.
   // A decode step's few rows are not: waking the other threads cost more than quantizing
   // them (8 rows of 1536: 3 us on one thread, 15-20 us split over two).
   at::parallel_for(0, M * out.groups, 1024, [&](int64_t begin, int64_t end) {
-    alignas(64) int16_t q[32];
+    alignas(64) int32_t r[32];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / out.groups, g = i % out.groups;
-      quantize_group(x + i * 32, q, out.scale[out.group(m, g)], out.sum[out.group(m, g)]);
-      int32_t* dst = out.q.data() + out.pair(m, 16 * g);
-      for (int p = 0; p < 16; ++p) std::memcpy(dst + p * QROWS, q + 2 * p, sizeof(int32_t));
+      round_group(x + i * 32, QRows<ABITS>::LIMIT, r, out.scale[out.group(m, g)], out.sum[out.group(m, g)]);
+      int32_t* dst = out.q.data() + out.word(m, W * g);
+      for (int w = 0; w < W; ++w) dst[w * QROWS] = QRows<ABITS>::pack(r, w);
     }
   });
 }
@@ -352,6 +375,17 @@ inline vi dot_pairs(vi acc, vi w, vi x) {
   return sum;
 #endif
 }
+#if defined(__AVX512VNNI__)
+// acc + the products of w's u8 and x's s8 quads, four a lane: exact integers
+inline vi dot_quads(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#endif
+// int16 lanes: the pair sums of w's u8 times x's s8 bytes, added to acc (no VNNI)
+inline vi madd_bytes(vi acc, vi w, vi x) {
+  vi sum = _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x));
+  asm("" : "+v"(sum));
+  return sum;
+}
+inline vi widen_pairs(vi s) { return _mm512_madd_epi16(s, _mm512_set1_epi16(1)); }
 inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline vi widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vi and_vi(vi a, int16_t m) { return _mm512_and_si512(a, _mm512_set1_epi16(m)); }
@@ -371,6 +405,12 @@ inline vi dot_pairs(vi acc, vi w, vi x) {
   asm("" : "+x"(sum));
   return sum;
 }
+inline vi madd_bytes(vi acc, vi w, vi x) {
+  vi sum = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x));
+  asm("" : "+x"(sum));
+  return sum;
+}
+inline vi widen_pairs(vi s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vi and_vi(vi a, int16_t m) { return _mm256_and_si256(a, _mm256_set1_epi16(m)); }
@@ -414,12 +454,91 @@ inline vi weight_vector(const uint8_t* tg, int p, int c) {
   }
 }
 
+// One tile-group's integer sums for rows m0 .. m0 + MB: total[m][c] = sum over k of q qx,
+// column by lane of vector c. xq: the group's words, row m's word w at xq[w * QROWS + m].
+template <int MB, int BITS>
+inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kColVecs], std::integral_constant<int, 16>) {
+  constexpr int CH = kChains<MB>;
+  vi sums[MB][kColVecs][CH];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c)
+      UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
+  if constexpr (kColVecs == 1) {  // four weight vectors unpacked at once, each serving every row
+    UNROLL for (int j = 0; j < 4; ++j) {
+      vi w[4];
+      load_w<BITS>(tg, j, 0, w);
+      UNROLL for (int m = 0; m < MB; ++m) {
+        UNROLL for (int h = 0; h < 4; ++h)
+          sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xq[(4 * j + h) * QROWS + m]));
+      }
+    }
+  } else {
+    // One weight vector (both halves) at a time against every row: with 16 registers,
+    // unpacking four at once and broadcasting each x pair for both halves spilled them all.
+    UNROLL for (int p = 0; p < 16; ++p) {
+      vi w[kColVecs];
+      UNROLL for (int c = 0; c < kColVecs; ++c) w[c] = weight_vector<BITS>(tg, p, c);
+      UNROLL for (int m = 0; m < MB; ++m) {
+        const vi xb = vi_set1(xq[p * QROWS + m]);
+        UNROLL for (int c = 0; c < kColVecs; ++c) sums[m][c][p % CH] = dot_pairs(sums[m][c][p % CH], w[c], xb);
+      }
+    }
+  }
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
+      total[m][c] = sums[m][c][0];
+      UNROLL for (int h = 1; h < CH; ++h) total[m][c] = vi_add(total[m][c], sums[m][c][h]);
+    }
+}
+
+template <int MB, int BITS>
+inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kColVecs], std::integral_constant<int, 8>) {
+  static_assert(BITS == 4, "int8 activations take 4-bit weights");
+#if defined(__AVX512VNNI__)
+  constexpr int CH = kChains<MB>;
+  vi sums[MB][CH];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int h = 0; h < CH; ++h) sums[m][h] = vi_zero();
+  UNROLL for (int j = 0; j < 4; ++j) {
+    const vi v = load_vi(tg + j * 64);
+    const vi lo = and_vi(v, 0x0F0F), hi = and_vi(srli16<4>(v), 0x0F0F);
+    UNROLL for (int m = 0; m < MB; ++m) {
+      sums[m][(2 * j) % CH] = dot_quads(sums[m][(2 * j) % CH], lo, vi_set1(xq[2 * j * QROWS + m]));
+      sums[m][(2 * j + 1) % CH] = dot_quads(sums[m][(2 * j + 1) % CH], hi, vi_set1(xq[(2 * j + 1) * QROWS + m]));
+    }
+  }
+  UNROLL for (int m = 0; m < MB; ++m) {
+    total[m][0] = sums[m][0];
+    UNROLL for (int h = 1; h < CH; ++h) total[m][0] = vi_add(total[m][0], sums[m][h]);
+  }
+#else
+  // Each row's pair of x words broadcast once and used against both halves' nibbles.
+  vi s16[MB][kColVecs];
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c) s16[m][c] = vi_zero();
+  UNROLL for (int j = 0; j < 4; ++j) {
+    vi lo[kColVecs], hi[kColVecs];
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
+      const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
+      lo[c] = and_vi(v, 0x0F0F);
+      hi[c] = and_vi(srli16<4>(v), 0x0F0F);
+    }
+    UNROLL for (int m = 0; m < MB; ++m) {
+      const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
+      UNROLL for (int c = 0; c < kColVecs; ++c) s16[m][c] = madd_bytes(madd_bytes(s16[m][c], lo[c], xa), hi[c], xb);
+    }
+  }
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c) total[m][c] = widen_pairs(s16[m][c]);
+#endif
+}
+
 // Columns [16 t, 16 t + cols) for rows m0 .. m0 + MB of x.
-template <int MB, int BITS, typename T>
-void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+template <int MB, int BITS, int ABITS, typename T>
+void qgemm_tile(const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
   constexpr int64_t GROUP_BYTES = BITS * 64;  // 16 columns x 32 values
-  constexpr int CH = kChains<MB>;
+  constexpr int W = QRows<ABITS>::WORDS;
   const int64_t groups = K / 32;
   vf acc[MB][kColVecs];
   UNROLL for (int m = 0; m < MB; ++m)
@@ -430,39 +549,13 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
       simd::prefetch_stream(tg + PREFETCH_GROUPS * GROUP_BYTES + off);
     simd::prefetch_l2(dt + (g + PREFETCH_GROUPS) * QCOLS);
     simd::prefetch_l2(mt + (g + PREFETCH_GROUPS) * QCOLS);
-    vi sums[MB][kColVecs][CH];
-    UNROLL for (int m = 0; m < MB; ++m)
-      UNROLL for (int c = 0; c < kColVecs; ++c)
-        UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
-    const int32_t* xq = xs.q.data() + xs.pair(m0, 16 * g);  // row m0 + m, pair p: xq[p * QROWS + m]
-    if constexpr (kColVecs == 1) {  // four weight vectors unpacked at once, each serving every row
-      UNROLL for (int j = 0; j < 4; ++j) {
-        vi w[4];
-        load_w<BITS>(tg, j, 0, w);
-        UNROLL for (int m = 0; m < MB; ++m) {
-          UNROLL for (int h = 0; h < 4; ++h)
-            sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xq[(4 * j + h) * QROWS + m]));
-        }
-      }
-    } else {
-      // One weight vector (both halves) at a time against every row: with 16 registers,
-      // unpacking four at once and broadcasting each x pair for both halves spilled them all.
-      UNROLL for (int p = 0; p < 16; ++p) {
-        vi w[kColVecs];
-        UNROLL for (int c = 0; c < kColVecs; ++c) w[c] = weight_vector<BITS>(tg, p, c);
-        UNROLL for (int m = 0; m < MB; ++m) {
-          const vi xb = vi_set1(xq[p * QROWS + m]);
-          UNROLL for (int c = 0; c < kColVecs; ++c) sums[m][c][p % CH] = dot_pairs(sums[m][c][p % CH], w[c], xb);
-        }
-      }
-    }
+    vi total[MB][kColVecs];
+    group_sums<MB, BITS>(tg, xs.q.data() + xs.word(m0, W * g), total, std::integral_constant<int, ABITS>{});
     UNROLL for (int c = 0; c < kColVecs; ++c) {
       const vf dv = simd::load(dt + g * QCOLS + c * L), mv = simd::load(mt + g * QCOLS + c * L);
       UNROLL for (int m = 0; m < MB; ++m) {
         const int64_t xg = xs.group(m0, g) + m;
-        vi total = sums[m][c][0];
-        UNROLL for (int h = 1; h < CH; ++h) total = vi_add(total, sums[m][c][h]);
-        acc[m][c] = simd::fmadd(vi_to_float(total), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
+        acc[m][c] = simd::fmadd(vi_to_float(total[m][c]), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
         acc[m][c] = simd::fmadd(mv, simd::set1(xs.sum[xg]), acc[m][c]);
       }
     }
@@ -475,8 +568,8 @@ void qgemm_tile(const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, con
   }
 }
 
-template <int BITS, typename T>
-void qgemm_block(int MB, const Q16Rows& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+template <int BITS, int ABITS, typename T>
+void qgemm_block(int MB, const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
                  const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
   switch (MB) {
     case 1: return qgemm_tile<1, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
@@ -509,17 +602,27 @@ inline int32_t weight_at(const uint8_t* tg, int col, int k) {
   }
 }
 
-template <int BITS, typename T>
-void qgemm_block(int, const Q16Rows& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
+// Row m's rounded value at k (0..31) of group g (QROWS is 1: a row's words are in order).
+template <int ABITS>
+inline int32_t x_at(const QRows<ABITS>& xs, int64_t m, int64_t g, int k) {
+  const int32_t* words = xs.q.data() + xs.word(m, QRows<ABITS>::WORDS * g);
+  if constexpr (ABITS == 16) return reinterpret_cast<const int16_t*>(words)[k];
+  for (int b = 0; b < 4; ++b)
+    for (int w = 0; w < 8; ++w)
+      if (quad_k(w, b) == k) return reinterpret_cast<const int8_t*>(words)[4 * w + b];
+  return 0;
+}
+
+template <int BITS, int ABITS, typename T>
+void qgemm_block(int, const QRows<ABITS>& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
                  const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
   const int64_t groups = K / 32;
   for (int c = 0; c < cols; ++c) {
     float acc = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* tg = wt + g * BITS * 64;
-      const int16_t* xq = reinterpret_cast<const int16_t*>(xs.q.data() + xs.pair(m, 16 * g));
       int32_t sum = 0;
-      for (int k = 0; k < 32; ++k) sum += weight_at<BITS>(tg, c, k) * xq[k];
+      for (int k = 0; k < 32; ++k) sum += weight_at<BITS>(tg, c, k) * x_at(xs, m, g, k);
       const int64_t xg = xs.group(m, g);
       acc += static_cast<float>(sum) * (to_float(dt[g * QCOLS + c]) * xs.scale[xg]);
       acc += to_float(mt[g * QCOLS + c]) * xs.sum[xg];
@@ -533,7 +636,7 @@ void qgemm_block(int, const Q16Rows& xs, int64_t m, int64_t K, const uint8_t* wt
 }  // namespace
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
-                 const c10::optional<at::Tensor>& bias) {
+                 const c10::optional<at::Tensor>& bias, int64_t act_bits) {
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
               "qgemm takes x [M, K], float32, bfloat16 or float16, on CPU");
@@ -546,6 +649,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
                   d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
               "qgemm scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
   const int bits = qw.size(2) == 256 ? 4 : 8;
+  TORCH_CHECK(act_bits == 16 || (act_bits == 8 && bits == 4),
+              "qgemm act_bits must be 16, or 8 with 4-bit weights; got act_bits ", act_bits, " with ", bits, "-bit weights");
   const at::Tensor xc = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -558,8 +663,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   const uint8_t* qp = qw.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = mn.data_ptr<c10::Half>();
-  Q16Rows xs;
-  auto run = [&](auto bits_tag, auto* yp) {
+  auto run = [&](auto bits_tag, const auto& xs, auto* yp) {
     constexpr int B = decltype(bits_tag)::value;
     const int64_t tile_bytes = groups * B * 64;
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
@@ -570,27 +674,28 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
                          static_cast<int>(std::min<int64_t>(16, N - t * 16)));
     });
   };
-  auto with_bits = [&](auto* yp) {
-    if (bits == 4) run(std::integral_constant<int, 4>{}, yp);
-    else run(std::integral_constant<int, 8>{}, yp);
+  auto with_x = [&](const auto* xp, auto* yp) {
+    if (act_bits == 8) {
+      QRows<8> xs;
+      quantize_rows(xp, M, K, xs);
+      run(std::integral_constant<int, 4>{}, xs, yp);
+    } else {
+      QRows<16> xs;
+      quantize_rows(xp, M, K, xs);
+      if (bits == 4) run(std::integral_constant<int, 4>{}, xs, yp);
+      else run(std::integral_constant<int, 8>{}, xs, yp);
+    }
   };
-  if (xt == at::kFloat) {
-    quantize_rows(xc.data_ptr<float>(), M, K, xs);
-    with_bits(y.data_ptr<float>());
-  } else if (xt == at::kBFloat16) {
-    quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, xs);
-    with_bits(y.data_ptr<c10::BFloat16>());
-  } else {
-    quantize_rows(xc.data_ptr<c10::Half>(), M, K, xs);
-    with_bits(y.data_ptr<c10::Half>());
-  }
+  if (xt == at::kFloat) with_x(xc.data_ptr<float>(), y.data_ptr<float>());
+  else if (xt == at::kBFloat16) with_x(xc.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  else with_x(xc.data_ptr<c10::Half>(), y.data_ptr<c10::Half>());
   return y;
 }
 
 // Also torch ops, `<ATOM_OPS_NS>::gemv` and `::qgemm`, so a traced graph (`atom_core.compile`) can call them.
 ATOM_TORCH_LIBRARY(ATOM_OPS_NS, m) {
   m.def("gemv(Tensor x, Tensor w, int N, Tensor? bias) -> Tensor");
-  m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias, int act_bits=16) -> Tensor");
 }
 ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
   m.impl("gemv", &gemv);
@@ -599,7 +704,8 @@ ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (+ bias), w in tiles of TILE rows (linear.gemv_weight), weight-streaming (CPU)");
-  m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, any rows of x, batch-invariant (CPU)");
+  m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, x rounded per group to act_bits (16, or 8 for 4-bit w), any rows of x, batch-invariant (CPU)",
+        py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("act_bits") = 16);
   m.attr("MAX_ROWS") = MAX_ROWS;
   m.attr("TILE") = TILE;
   m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);
