@@ -99,7 +99,10 @@ ENGINE_SETTINGS = [  # name, LLMEngine settings
     ("bfloat16, quantization='auto'", dict(dtype="bfloat16")),
     ("float32, quantization='int8'", dict(dtype="float32", quantization="int8")),
     ("float32, quantization='int4'", dict(dtype="float32", quantization="int4")),
-    ("float32, quantization='int4', activation_bits=16", dict(dtype="float32", quantization="int4", activation_bits=16)),
+    (
+        "float32, quantization='int4', activation_bits=16",
+        dict(dtype="float32", quantization="int4", activation_bits=16),
+    ),
 ]
 
 

@@ -63,7 +63,9 @@ def gemv_ops(variant: str | None = None) -> ModuleType | None:
         _faked.add(ops.OPS_NAMESPACE)
         ns = ops.OPS_NAMESPACE
         torch.library.register_fake(f"{ns}::gemv")(lambda x, w, n, bias: x.new_empty((x.shape[0], n)))
-        torch.library.register_fake(f"{ns}::qgemm")(lambda x, qw, d, mn, n, bias, act_bits=16: x.new_empty((x.shape[0], n)))
+        torch.library.register_fake(f"{ns}::qgemm")(
+            lambda x, qw, d, mn, n, bias, act_bits=16: x.new_empty((x.shape[0], n))
+        )
     return ops
 
 
