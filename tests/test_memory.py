@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 
 import pytest
@@ -71,6 +72,27 @@ def test_pool_is_populated_over_its_whole_range(monkeypatch):
     assert populated[0][0] == t.data_ptr() and sum(n for _, n in populated) == nbytes
     assert all(a + n == b for (a, n), (b, _) in zip(populated, populated[1:]))
     assert resident_fraction(t.data_ptr(), nbytes) == 1.0
+
+
+@linux_only
+def test_a_pool_is_mapped_in_the_background_at_idle_priority(monkeypatch):
+    """The mapping thread runs only on a core nothing else wants: at normal priority it took a
+    core from torch's threads, and every step until it finished ran at a third of its speed."""
+    policies = []
+    real = memory._idle_priority
+
+    def spy() -> None:
+        real()
+        policies.append(os.sched_getscheduler(0))  # the calling thread's
+
+    monkeypatch.setattr(memory, "_idle_priority", spy)
+    t = empty_resident((1 << 20,), torch.float32, "cpu")
+    memory._populating[-1][0].join()
+    assert policies == [os.SCHED_IDLE]
+    assert resident_fraction(t.data_ptr(), t.numel() * t.element_size()) == 1.0
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own priority is untouched
+    empty_resident((1 << 10,), torch.float32, "cpu", wait=True)  # mapped by the caller: no change
+    assert policies == [os.SCHED_IDLE] and os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def advised_huge(monkeypatch) -> list[tuple[int, int]]:
