@@ -102,16 +102,19 @@ def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) 
     ops = gemv_ops(variant)
     weights = [quantize_int4(torch.randn(n, k) * 0.05, 32) for n, k in SHAPES]
     with weight_arena():
-        mine = [StreamingGroupGemm(w, ops) for w in weights]
+        mine = [StreamingGroupGemm(w, ops, activation_bits=8) for w in weights]  # the default
         theirs = [Int4PackGemm(w) for w in weights]
     nbytes = sum(k.qweight.nbytes + k.scales.nbytes + k.mins.nbytes for k in mine)
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        a, machine = copy.around(
-            lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9
-        )
-        b = nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats) / 1e9
-        row(f"4-bit groups of 32 ({variant})", m, a, machine, b, " (torch int4)")
+        for bits in (8, 16):
+            for k in mine:
+                k.activation_bits = bits
+            a, machine = copy.around(
+                lambda: nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in mine], repeats) / 1e9
+            )
+            b = nbytes / best_time([lambda k=k: k(xs[k.in_features]) for k in theirs], repeats) / 1e9
+            row(f"4-bit groups of 32, int{bits} x ({variant})", m, a, machine, b, " (torch int4)")
 
 
 def main() -> None:
