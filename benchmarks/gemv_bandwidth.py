@@ -102,7 +102,7 @@ def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) 
     ops = gemv_ops(variant)
     weights = [quantize_int4(torch.randn(n, k) * 0.05, 32) for n, k in SHAPES]
     with weight_arena():
-        mine = [StreamingGroupGemm(w, ops, activation_bits=8) for w in weights]  # the default
+        mine = [StreamingGroupGemm(w, ops) for w in weights]
         theirs = [Int4PackGemm(w) for w in weights]
     nbytes = sum(k.qweight.nbytes + k.scales.nbytes + k.mins.nbytes for k in mine)
     for m in rows:

@@ -95,13 +95,13 @@ ENGINE_SETTINGS = [  # name, LLMEngine settings
     ("float32, quantization='none'", dict(dtype="float32", quantization="none")),
     ("bfloat16, quantization='none'", dict(dtype="bfloat16", quantization="none")),
     ("default: float32, quantization='auto' (the Q4_1 file)", dict()),
-    ("float32, quantization='auto', activation_bits=16", dict(activation_bits=16)),
+    ("float32, quantization='auto', activation_bits=8", dict(activation_bits=8)),
     ("bfloat16, quantization='auto'", dict(dtype="bfloat16")),
     ("float32, quantization='int8'", dict(dtype="float32", quantization="int8")),
     ("float32, quantization='int4'", dict(dtype="float32", quantization="int4")),
     (
-        "float32, quantization='int4', activation_bits=16",
-        dict(dtype="float32", quantization="int4", activation_bits=16),
+        "float32, quantization='int4', activation_bits=8",
+        dict(dtype="float32", quantization="int4", activation_bits=8),
     ),
 ]
 

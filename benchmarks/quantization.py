@@ -23,7 +23,7 @@ What is measured:
   ("The") leads the runner-up ("L") in the logits.
 
     .venv/bin/python benchmarks/quantization.py [--threads 2] [--repeats 3] [--configs auto,int4,...]
-    .venv/bin/python benchmarks/quantization.py --kernels   # the GEMMs alone, per weight format
+    .venv/bin/python benchmarks/quantization.py --kernels [--kernel-rows 1,8]   # the GEMMs alone, per weight format
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     and for its LM head, per weight format, random weights of the model's shapes."""
     from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
 
-    from atom_core.layers.gemm import PACK_ROWS, _onednn_linear
-    from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm
+    from atom_core.layers.gemm import PACK_ROWS, _onednn_linear, gemv_ops
+    from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm, StreamingGroupGemm
     from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
     def onednn(w: torch.Tensor):
@@ -116,6 +116,14 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
         "int8 groups of 32": lambda w: Int4PackGemm(quantize_int8(w, 32)),
         "int4 groups of 32": lambda w: Int4PackGemm(quantize_int4(w, 32)),
     }
+    if (ops := gemv_ops()) is not None:  # Atom's own kernel, as Linear runs it (the head: 8 bits, int16 x)
+        formats |= {
+            "int8 groups of 32, Atom's qgemm": lambda w: StreamingGroupGemm(quantize_int8(w, 32), ops),
+            "int4 groups of 32, Atom's qgemm, int16 x (default)": lambda w: StreamingGroupGemm(
+                quantize_int4(w, 32), ops, 16
+            ),
+            "int4 groups of 32, Atom's qgemm, int8 x": lambda w: StreamingGroupGemm(quantize_int4(w, 32), ops, 8),
+        }
     gen = torch.Generator().manual_seed(0)
     print("\n| format | " + " | ".join(f"layers, {m} rows (ms) | LM head, {m} rows (ms)" for m in rows) + " |")
     print("|---|" + "---:|---:|" * len(rows))
@@ -147,10 +155,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     ap.add_argument("--kernels", action="store_true", help="time the GEMMs alone per weight format, then stop")
+    ap.add_argument("--kernel-rows", default="1,8", help="--kernels: rows of x, e.g. 1,8,32,512")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernels:
-        kernel_times()
+        kernel_times(tuple(int(r) for r in args.kernel_rows.split(",")))
         return
     folder = fetch_default_model(quiet=True)
     rng = np.random.default_rng(0)

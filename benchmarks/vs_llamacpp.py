@@ -46,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -153,14 +154,14 @@ def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
-def load_atom(folder: Path, precision: str, args: argparse.Namespace) -> LLMEngine:
+def load_atom(folder: Path, precision: str, args: argparse.Namespace, **overrides: Any) -> LLMEngine:
     """An engine with a KV pool just big enough for the largest batch (the default takes a
-    quarter of free RAM)."""
+    quarter of free RAM); `overrides` go on top of the precision's settings."""
     seq_len = args.prompt_tokens + args.new_tokens + 1
     max_model_len = BLOCK_SIZE * blocks_for(max(seq_len, PP_TOKENS + 1))
     blocks = max(args.batches) * blocks_for(seq_len) + blocks_for(max_model_len) + 16
     return LLMEngine(folder, max_model_len=max_model_len, num_kvcache_blocks=blocks,
-                     kv_cache_block_size=BLOCK_SIZE, **ATOM_CONFIGS[precision])  # fmt: skip
+                     kv_cache_block_size=BLOCK_SIZE, **(ATOM_CONFIGS[precision] | overrides))  # fmt: skip
 
 
 def atom_decode_rate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -199,8 +200,8 @@ def atom_speeds(engine: LLMEngine, args: argparse.Namespace) -> Speeds:
     return Speeds(decode, atom_pp_rate(engine, long_prompt))
 
 
-def atom_config(precision: str) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in ATOM_CONFIGS[precision].items()) or "default config"
+def atom_config(precision: str, **overrides: Any) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in (ATOM_CONFIGS[precision] | overrides).items()) or "default config"
 
 
 def atom_dtypes(engine: LLMEngine) -> str:
@@ -212,11 +213,11 @@ def atom_dtypes(engine: LLMEngine) -> str:
 # -- one precision ------------------------------------------------------------------------
 
 
-def start_atom(folder: Path, precision: str, args: argparse.Namespace) -> tuple[LLMEngine, str]:
+def start_atom(folder: Path, precision: str, args: argparse.Namespace, **overrides: Any) -> tuple[LLMEngine, str]:
     """Atom's engine for one precision, warmed up, and a line saying how it runs."""
-    engine = load_atom(folder, precision, args)
+    engine = load_atom(folder, precision, args, **overrides)
     engine.generate([[100] * 16] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    return engine, f"Atom {atom_config(precision)}, {atom_dtypes(engine)}"
+    return engine, f"Atom {atom_config(precision, **overrides)}, {atom_dtypes(engine)}"
 
 
 def run_precision(precision: str, folder: Path, gguf: Path, binary: Path, args: argparse.Namespace) -> dict:

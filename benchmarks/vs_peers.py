@@ -21,7 +21,9 @@ Precisions (`--precisions f32,bf16,q4`):
   weight format (fp32, fp16, int8, int4, ...), and bf16 is what OpenVINO's CPU plugin runs
   through that hint (it converts the weights at compile time); its default on CPUs with
   AVX512_BF16 / AMX.
-* q4: Atom and llama.cpp on the shipped Q4_1 file itself (Atom with its default config);
+* q4: Atom and llama.cpp on the shipped Q4_1 file itself (Atom with its default config, and
+  again as "Atom a8" with `activation_bits=8`, the 8-bit activations llama.cpp and OpenVINO
+  multiply 4-bit weights by);
   OpenVINO on its own 4-bit export, `--weight-format int4 --group-size 64` (asymmetric like
   Q4_1; the embedding / tied LM head int8 like the shipped file's Q8_0; SmolLM2's 576 is no
   multiple of the default 128), compiled with the CPU plugin's default precision hint. vLLM:
@@ -113,6 +115,9 @@ PRECISIONS = ("f32", "bf16", "q4")
 ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "q4": "q4_1"}  # vs_llamacpp's names
 PEER_NAMES = {"llama.cpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO"}
 OPENVINO_WEIGHTS = {"f32": "fp32", "bf16": "fp32", "q4": "int4"}  # bf16: fp32 IR, bf16 hint
+# Atom measured a second way on a precision: 4-bit layers with 8-bit activations, the
+# arithmetic llama.cpp (Q8_1) and OpenVINO (dynamic quantization) use for 4-bit weights.
+ATOM_ALSO = {"q4": {"Atom a8": dict(activation_bits=8)}}
 LOAD_TIMEOUT = 1800.0  # s, a worker's model load (first-time compiles included)
 RUN_TIMEOUT = 1800.0  # s, one round of one worker
 
@@ -314,8 +319,12 @@ def run_precision(precision: str, folder: Path, args: argparse.Namespace) -> Res
     """Atom and the peers in turns, `--rounds` times; the best of each."""
     result = Result(precision)
     _say(f"\n=== {precision}: loading Atom ({ATOM_PRECISION[precision]}) === {load_average()}")
-    engine, result.setups["Atom"] = start_atom(folder, ATOM_PRECISION[precision], args)
-    _say(f"    {result.setups['Atom']}")
+    engines = {"Atom": start_atom(folder, ATOM_PRECISION[precision], args)}
+    for name, overrides in ATOM_ALSO.get(precision, {}).items():
+        engines[name] = start_atom(folder, ATOM_PRECISION[precision], args, **overrides)
+    for name, (_, setup) in engines.items():
+        result.setups[name] = setup
+        _say(f"    {setup}")
     peers: list[Peer] = []
     try:
         for key in args.peers:
@@ -330,8 +339,8 @@ def run_precision(precision: str, folder: Path, args: argparse.Namespace) -> Res
                 _say(f"    {peer.setup}")
         for r in range(1, args.rounds + 1):
             _say(f"[round {r}] {load_average()}")
-            speeds = atom_speeds(engine, args)
-            _record(result, "Atom", speeds, r)
+            for name, (engine, _) in engines.items():
+                _record(result, name, atom_speeds(engine, args), r)
             for peer in list(peers):
                 measured = _attempt(peer, precision, result, f"run (round {r})", peer.run)
                 if measured is None:
@@ -342,7 +351,7 @@ def run_precision(precision: str, folder: Path, args: argparse.Namespace) -> Res
     finally:
         for peer in peers:
             peer.close()
-        del engine
+        engines.clear()
         gc.collect()
     return result
 
@@ -393,28 +402,31 @@ def cpu_description() -> str:
 
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
-    engines = ["Atom", *(PEER_NAMES[k] for k in args.peers)]
+    peer_names = [PEER_NAMES[k] for k in args.peers]
     columns = [*(f"batch {b}" for b in args.batches), f"pp{PP_TOKENS}"]
-    print(f"\n## Atom vs {', '.join(engines[1:]) or 'no peer'}: {DEFAULT_MODEL_NAME}, {args.threads} threads, "
+    print(f"\n## Atom vs {', '.join(peer_names) or 'no peer'}: {DEFAULT_MODEL_NAME}, {args.threads} threads, "
           f"best of {args.rounds} round(s)\n")  # fmt: skip
     print(cpu_description())
     print(f"\ntokens/s; batch N = decode of N sequences ({args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, prefill excluded), pp{PP_TOKENS} = prompt processing; '-' = not measured")  # fmt: skip
     for r in results:
+        atoms = ["Atom", *ATOM_ALSO.get(r.precision, {})]
+        engines = [*atoms, *peer_names]
         print(f"\n### {r.precision}\n")
         print("| engine | " + " | ".join(columns) + " |")
         print("|---|" + "---:|" * len(columns))
         for engine in engines:
             s = r.speeds.get(engine)
             print(f"| {engine} | " + " | ".join(_rate(_cells(s, args), i) for i in range(len(columns))) + " |")
-        ratios = []
-        for i in range(len(columns)):
-            atom = _cells(r.speeds.get("Atom"), args)[i]
-            peers = [(_cells(r.speeds.get(e), args)[i], e) for e in engines[1:]]
-            peers = [(v, e) for v, e in peers if v]
-            best = max(peers, default=None)
-            ratios.append(f"{atom / best[0]:.2f}x ({best[1]})" if atom and best else "-")
-        print("| Atom / best peer | " + " | ".join(ratios) + " |")
+        for name in atoms:
+            ratios = []
+            for i in range(len(columns)):
+                atom = _cells(r.speeds.get(name), args)[i]
+                peers = [(_cells(r.speeds.get(e), args)[i], e) for e in peer_names]
+                peers = [(v, e) for v, e in peers if v]
+                best = max(peers, default=None)
+                ratios.append(f"{atom / best[0]:.2f}x ({best[1]})" if atom and best else "-")
+            print(f"| {name} / best peer | " + " | ".join(ratios) + " |")
         print()
         for engine in engines:
             if engine in r.speeds and engine in r.setups:

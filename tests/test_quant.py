@@ -319,8 +319,8 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
     folder = folder_from_gguf(path)
     kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
     with caplog.at_level("INFO", logger="atom"):
-        # x kept to 16 bits: what is checked here is the blocks (the int8 rounding of the
-        # default: the kernel test and the decode test below)
+        # x kept to 16 bits (the default, said here): what is checked is the blocks (int8
+        # activations: the kernel test and the decode test below)
         engine = LLMEngine(folder, activation_bits=16, **kw)
     kept = "kept 15 Q8_0" if qtype == Q.Q8_0 else f"kept 14 {qtype.name}, 1 Q8_0"  # 7 tensors a layer, the head
     assert kept in caplog.text, caplog.text
@@ -346,13 +346,13 @@ def test_gguf_loaded_quantized_gives_the_logits_of_the_dequantized_file(tmp_path
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0], ids=str)
 def test_gguf_4bit_decode_steps_give_the_logits_of_the_dequantized_file(tmp_path, qtype, activation_bits):
     """Decode rows (1-8 a step) take the streaming 4-bit kernel, x rounded per group of 32 to
-    int8 (the default) or int16; the Q8_0 head keeps 16 bits either way."""
+    int16 (the default) or int8; the Q8_0 head keeps 16 bits either way."""
     require_kernel(gemv_ops())  # what it checks is the streaming kernel's
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, dict.fromkeys(LINEAR_KINDS, qtype) | {"embd": Q.Q8_0, "output": Q.Q8_0}, tied=True)
     folder = folder_from_gguf(path)
     kw = dict(dtype="float32", num_kvcache_blocks=32, max_model_len=128)
-    bits = {} if activation_bits == 8 else dict(activation_bits=activation_bits)  # 8: the default
+    bits = {} if activation_bits == 16 else dict(activation_bits=activation_bits)  # 16: the default
     engines = [LLMEngine(folder, **bits, **kw), LLMEngine(folder, quantization="none", **kw)]
     model = engines[0].runner.model
     kernel = model.model.layers[0].mlp.down_proj.packed_weight
@@ -582,7 +582,7 @@ def test_int4_quantizes_moe_experts_expert_by_expert(tmp_path, arch):
     ref = last_logits(LLMEngine(tmp_path, **kw), PROMPTS)
     out = last_logits(engine, PROMPTS)
     rel = ((out - ref).norm(dim=1) / ref.norm(dim=1)).max()
-    assert rel < 0.35, rel  # random weights: int4 groups of 32 are 8% noise a layer, int8 x adds a little
+    assert rel < 0.3, rel  # random weights: int4 groups of 32 are 8% noise a layer
 
 
 def test_layers_the_group_does_not_divide_go_per_channel(tmp_path, caplog):
