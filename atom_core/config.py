@@ -33,7 +33,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def _dtype(inst: object, attr: attrs.Attribute, value: object) -> None:
     if value not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+        raise ValueError(f"{attr.name} must be one of {', '.join(DTYPES)}, got {value!r}")
 
 
 def _name(inst: object, attr: attrs.Attribute, value: object) -> None:
@@ -163,6 +163,11 @@ class Config:
     # -- model execution (read by the model runner and the engine) --
     # "auto" takes the checkpoint's dtype; "float32", "bfloat16" or "float16" force one.
     dtype: str = attrs.field(default="auto", validator=_dtype)
+    # The paged K/V caches' dtype (vLLM's kv_cache_dtype): "auto" the model's; "bfloat16" or
+    # "float16" halve a float32 model's cache bytes (a decode step over long contexts reads
+    # all of them), rounding each K/V value once when it is written. Per-request state
+    # (GDN) keeps its own (`gdn_state_dtype`).
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_dtype)
     device: str = attrs.field(default="cpu", validator=_device)
     # Bytes for the KV pool; None = a quarter of free RAM on CPU, or
     # gpu_memory_utilization of free device memory. `num_kvcache_blocks` overrides both.

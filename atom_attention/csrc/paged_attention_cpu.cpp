@@ -8,7 +8,9 @@
 // with a long run of new tokens (a prompt chunk) is tiled: its keys are transposed once
 // per KV head into float32, and each tile of tokens x the group's heads goes over them in
 // chunks with a running (online) softmax, so each K/V value read serves the whole tile.
-// Everything accumulates in float32 whatever the cache dtype.
+// Everything accumulates in float32 whatever the cache dtype, which may be narrower than the
+// queries' (`Config.kv_cache_dtype`: float32 queries over a bfloat16 or float16 cache read its
+// values widened, the same sums as over a float32 cache holding those values).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
@@ -309,8 +311,8 @@ struct Tiled {
 
 // The tiled path for request r's tokens [j0, j1) and KV head h. kt: the request's keys for
 // that head, transposed. Row i of the tile is token j0 + i / group, query head h * group + i % group.
-template <typename T, int D>
-void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
+template <typename Q, typename T, int D>
+void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
                  int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const float* kt,
                  int64_t kt_stride, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
                  int64_t block_size, float scale, const Options& opt, std::vector<float>& work,
@@ -326,7 +328,7 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
   float* l = m + rows;
   vrows.resize(C);
   for (int64_t i = 0; i < rows; ++i) {
-    const T* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
+    const Q* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
     for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(src[d]) * scale;
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
@@ -382,7 +384,7 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
     K::accumulate(s, rows, vrows.data(), cn, acc);
   }
   for (int64_t i = 0; i < rows; ++i) {
-    T* dst = op + (start + j0 + i / group) * os0 + (h * group + i % group) * os1;
+    Q* dst = op + (start + j0 + i / group) * os0 + (h * group + i % group) * os1;
     float denom = l[i], rescale = 1.f;
     if (opt.sinks) {  // the head's sink joins the softmax: one more term in the denominator
       const float sink = opt.sinks[h * group + i % group];
@@ -394,13 +396,13 @@ void attend_tile(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int6
       }
     }
     const float inv = rescale / denom;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[i * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(acc[i * D + d] * inv);
   }
 }
 
 // The per-token path: request r's tokens [start, start + n) over KV head h, one token at a time.
-template <typename T, int D>
-void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, int64_t os1, int64_t start,
+template <typename Q, typename T, int D>
+void attend_tokens(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, int64_t start,
                    int64_t n, int64_t context, int64_t h, int64_t group, int64_t dim, const T* kbase,
                    const T* vbase, const int64_t* table, int64_t kb, int64_t kr, int64_t vb, int64_t vr,
                    int64_t block_size, float fscale, const Options& opt, std::vector<float>& qf,
@@ -414,7 +416,7 @@ void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, in
     const int64_t len = context - n + j + 1;  // keys this query sees
     scores.resize(group * len);
     for (int64_t g = 0; g < group; ++g) {
-      const T* src = qp + tok * qs0 + (h * group + g) * qs1;
+      const Q* src = qp + tok * qs0 + (h * group + g) * qs1;
       for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
     }
     const int64_t nblocks = (len + block_size - 1) / block_size;
@@ -457,9 +459,9 @@ void attend_tokens(const T* qp, int64_t qs0, int64_t qs1, T* op, int64_t os0, in
                       vbase + table[b] * vb, vr, rows, dim, acc.data() + g * dim, g == 0 ? ahead : nullptr);
     }
     for (int64_t g = 0; g < group; ++g) {
-      T* dst = op + tok * os0 + (h * group + g) * os1;
+      Q* dst = op + tok * os0 + (h * group + g) * os1;
       const float inv = 1.f / denom[g];
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<Q>(acc[g * dim + d] * inv);
     }
   }
 }
@@ -479,7 +481,7 @@ void transpose_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
 // [query_start_loc[i], query_start_loc[i + 1]), the last n of its context_lens[i]
 // positions; its token j sees keys up to position ctx - n + j (causal).
-template <typename T, int D>
+template <typename Q, typename T, int D>
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     const at::Tensor& query_start_loc, double scale, const Options& opt, at::Tensor& out) {
@@ -493,10 +495,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t kh = k_cache.stride(0), kb = k_cache.stride(1), kr = k_cache.stride(2);
   const int64_t vh = v_cache.stride(0), vb = v_cache.stride(1), vr = v_cache.stride(2);
-  const T* qp = q.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  Q* op = out.data_ptr<Q>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
@@ -549,11 +551,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const int64_t r = task.r, h = task.h, n = starts[r + 1] - starts[r];
       const int64_t* table = tables + r * max_blocks;
       if (task.j0 < 0) {
-        attend_tokens<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
+        attend_tokens<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
                             vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, qf, acc, denom, scores);
       } else if constexpr (kTiled) {
         const int64_t stride = padded(r);
-        attend_tile<T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
+        attend_tile<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
                           std::min(n, task.j0 + kTileTokens), h, group, kt.data() + kt_offset[r] + h * dim * stride,
                           stride, vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
@@ -561,14 +563,14 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   });
 }
 
-template <typename T>
+template <typename Q, typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt,
                   const at::Tensor& cl, const at::Tensor& qsl, double scale, const Options& opt, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return attention_impl<T, 64>(q, k, v, bt, cl, qsl, scale, opt, out);
-    case 128: return attention_impl<T, 128>(q, k, v, bt, cl, qsl, scale, opt, out);
-    case 576: return attention_impl<T, 576>(q, k, v, bt, cl, qsl, scale, opt, out);  // MLA's latent row (DeepSeek)
-    default: return attention_impl<T, 0>(q, k, v, bt, cl, qsl, scale, opt, out);
+    case 64: return attention_impl<Q, T, 64>(q, k, v, bt, cl, qsl, scale, opt, out);
+    case 128: return attention_impl<Q, T, 128>(q, k, v, bt, cl, qsl, scale, opt, out);
+    case 576: return attention_impl<Q, T, 576>(q, k, v, bt, cl, qsl, scale, opt, out);  // MLA's latent row (DeepSeek)
+    default: return attention_impl<Q, T, 0>(q, k, v, bt, cl, qsl, scale, opt, out);
   }
 }
 
@@ -587,8 +589,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous rows");
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  // A cache in another dtype than q (Config.kv_cache_dtype): float32 queries read bfloat16 and
+  // float16 caches as they are, widening each value as it is read; other pairs run with float32 queries.
+  if (qt != ct && qt != at::kFloat)
+    return paged_attention(q.to(at::kFloat), k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                           window, softcap, sinks)
+        .to(qt);
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and cache head_dim differ");
   auto tables = block_tables.to(at::kLong).contiguous();
@@ -606,11 +614,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     opt.sinks = sink_logits.data_ptr<float>();
   }
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  switch (q.scalar_type()) {
-    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
-    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
-    case at::kHalf: attention_impl<c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
-    default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16, not ", q.scalar_type());
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf,
+              "paged_attention takes caches in float32, bfloat16 or float16, not ", ct);
+  if (qt == ct) {
+    switch (qt) {
+      case at::kFloat: dispatch_dim<float, float>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out); break;
+      case at::kBFloat16:
+        dispatch_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
+        break;
+      default: attention_impl<c10::Half, c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
+    }
+  } else if (ct == at::kBFloat16) {  // float32 queries
+    dispatch_dim<float, c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
+  } else {
+    attention_impl<float, c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
   }
   return out;
 }
@@ -620,8 +637,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const at::Tensor& slot_mapping) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "new K/V and the caches must share a dtype");
+  if (k.scalar_type() != k_cache.scalar_type() || v.scalar_type() != v_cache.scalar_type())  // rounded once, here
+    return write_kv(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache, v_cache, slot_mapping);
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "new K/V must be [tokens, kv_heads, dim], rows contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2);

@@ -48,7 +48,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
         nk = meta.extra["kernel_reqs"]
-        if nk == meta.num_reqs or self.tiles(q.shape[-1], q.dtype):
+        if nk == meta.num_reqs or self.tiles(q.shape[-1], layer.k_cache.dtype):
             return self._kernel(layer, q, meta, meta.num_reqs)
         # long runs the kernel does not tile: `varlen` (torch's fused attention, or the eager
         # path a layer with options needs)

@@ -82,8 +82,8 @@ class TorchPagedAttention:
             # through decode's block-wide products: clear a block when its first token arrives.
             layer.v_cache.index_fill_(1, x["fresh_blocks"], 0.0)
         blk, off = x["slot_block"], x["slot_offset"]
-        layer.k_cache[:, blk, off] = k.transpose(0, 1)
-        layer.v_cache[:, blk, off] = v.transpose(0, 1)
+        layer.k_cache[:, blk, off] = k.transpose(0, 1).to(layer.k_cache.dtype)
+        layer.v_cache[:, blk, off] = v.transpose(0, 1).to(layer.v_cache.dtype)
 
     def varlen(self, layer, q, k, v, meta: AttentionMetadata, first_req: int = 0, out=None) -> torch.Tensor:
         """Any number of new tokens per request, attending to their cached prefix and to each other.
@@ -102,13 +102,16 @@ class TorchPagedAttention:
             n = e - s
             # 4-D inputs: torch's fused CPU kernel takes those (3-D ones fall back to the slow math path).
             qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-            if L == n:  # nothing cached: attend within the new tokens
-                ki, vi = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)
+            if L == n:  # nothing cached: attend within the new tokens (as the cache holds them)
+                ki, vi = (
+                    as_cached(t[s:e], c).transpose(0, 1).unsqueeze(0)
+                    for t, c in ((k, layer.k_cache), (v, layer.v_cache))
+                )
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale, enable_gqa=True)
             else:
                 table = meta.block_tables[i, : (L + bs - 1) // bs]
-                ki = layer.k_cache.index_select(1, table).flatten(1, 2)[None, :, :L]  # [1, kv_heads, L, dim]
-                vi = layer.v_cache.index_select(1, table).flatten(1, 2)[None, :, :L]
+                ki = read_cache(layer.k_cache, table, q)[None, :, :L]  # [1, kv_heads, L, dim]
+                vi = read_cache(layer.v_cache, table, q)[None, :, :L]
                 if n == 1:  # one query sees every key: plain products beat the fused kernel's setup
                     out[s] = _single_query(q[s], ki[0], vi[0], layer.scale)
                     continue
@@ -137,8 +140,8 @@ class TorchPagedAttention:
             first_block = lo // bs
             table = meta.block_tables[i, first_block : (L + bs - 1) // bs]
             keys = L - first_block * bs
-            ki = layer.k_cache.index_select(1, table).flatten(1, 2)[:, :keys]  # [kv_heads, keys, dim]
-            vi = layer.v_cache.index_select(1, table).flatten(1, 2)[:, :keys]
+            ki = read_cache(layer.k_cache, table, q)[:, :keys]  # [kv_heads, keys, dim]
+            vi = read_cache(layer.v_cache, table, q)[:, :keys]
             out[s:e] = attend(q[s:e], ki, vi, L - (e - s) - first_block * bs, layer.scale, window,
                               layer.logit_softcap, layer.sinks)  # fmt: skip
         return out
@@ -161,7 +164,7 @@ class TorchPagedAttention:
         heads = q.shape[1]
 
         def gather(cache: torch.Tensor) -> torch.Tensor:
-            rows = cache.index_select(1, table.reshape(-1)).view(kv_heads, num_reqs, width * bs, dim)
+            rows = read_cache(cache, table.reshape(-1), q).view(kv_heads, num_reqs, width * bs, dim)
             return rows.transpose(0, 1).masked_fill_(x["rect_kv_pad"], 0.0)  # [R, kv_heads, W * bs, dim]
 
         kr, vr = gather(layer.k_cache), gather(layer.v_cache)
@@ -181,8 +184,8 @@ class TorchPagedAttention:
         kv_heads = layer.num_kv_heads
         group = heads // kv_heads
         chunks = req.shape[0]
-        kb = layer.k_cache.index_select(1, blocks).view(kv_heads, chunks, -1, dim)  # [kv_heads, C, c * bs, dim]
-        vb = layer.v_cache.index_select(1, blocks).view(kv_heads, chunks, -1, dim)
+        kb = read_cache(layer.k_cache, blocks, q).view(kv_heads, chunks, -1, dim)  # [kv_heads, C, c * bs, dim]
+        vb = read_cache(layer.v_cache, blocks, q).view(kv_heads, chunks, -1, dim)
         qc = q.index_select(0, req).view(chunks, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, C, group, dim]
         scores = torch.matmul(qc, kb.transpose(-1, -2)).float().mul_(layer.scale)  # [kv_heads, C, group, c * bs]
         scores.masked_fill_(mask[None, :, None, :], float("-inf"))
@@ -195,6 +198,18 @@ class TorchPagedAttention:
         out = torch.zeros((kv_heads, num_reqs, group, dim), device=q.device).index_add_(1, req, pv)
         out = out.div_(denom.unsqueeze(-1)).transpose(0, 1)  # [num_reqs, kv_heads, group, dim]
         return out.reshape(num_reqs, heads, dim).to(q.dtype)
+
+
+def read_cache(cache: torch.Tensor, blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`blocks` of a layer's cache `[kv_heads, blocks, block_size, dim]` as `[kv_heads, tokens,
+    dim]` in q's dtype (a cache may be narrower, `Config.kv_cache_dtype`)."""
+    return cache.index_select(1, blocks).flatten(1, 2).to(q.dtype)
+
+
+def as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New K or V rounded as the cache holds them, in their own dtype: a prompt's own tokens
+    attend to what later steps will read back."""
+    return t if cache.dtype == t.dtype else t.to(cache.dtype).to(t.dtype)
 
 
 def attend(

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from atom_attention import cpu_kernels
 from atom_attention.mha.torch_paged import (
     PER_REQUEST_DECODE_MAX,
+    as_cached,
     decode_chunks,
     rectangular_masks,
 )
@@ -81,7 +82,8 @@ class TorchMLAAttention:
             # products: clear a block when its first token arrives.
             layer.kv_cache.index_fill_(0, fresh, 0.0)
         # Every token's row lands before any request reads (prompts of one batch may share a block).
-        layer.kv_cache.view(-1, layer.latent_dim).index_copy_(0, meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))
+        rows = torch.cat((c_kv, k_pe), dim=-1).to(layer.kv_cache.dtype)
+        layer.kv_cache.view(-1, layer.latent_dim).index_copy_(0, meta.slot_mapping, rows)
 
     def per_request(self, layer, q_nope, q_pe, c_kv, k_pe, meta, first_req: int, out: torch.Tensor) -> torch.Tensor:
         """Rows from `first_req` on, one at a time: new tokens over their cached prefix and each other."""
@@ -90,11 +92,11 @@ class TorchMLAAttention:
         for i in range(first_req, meta.num_reqs):
             s, e, L = int(cu[i]), int(cu[i + 1]), int(ctx[i])
             n = e - s
-            if L == n:  # nothing cached: the new latents are the whole context
-                lat = torch.cat((c_kv[s:e], k_pe[s:e]), dim=-1)
+            if L == n:  # nothing cached: the new latents are the whole context (as the cache holds them)
+                lat = as_cached(torch.cat((c_kv[s:e], k_pe[s:e]), dim=-1), layer.kv_cache)
             else:
                 table = meta.block_tables[i, : (L + bs - 1) // bs]
-                lat = layer.kv_cache.index_select(0, table).flatten(0, 1)[:L]  # [L, latent]
+                lat = layer.kv_cache.index_select(0, table).flatten(0, 1)[:L].to(q_nope.dtype)  # [L, latent]
             # Causal, aligned to the end: new token j sees keys up to position L - n + j.
             mask = None
             if n > 1:
@@ -114,7 +116,7 @@ class TorchMLAAttention:
         req, blocks, mask = x["chunk_req"], x["chunk_blocks"], x["chunk_mask"]  # [C], [C * c], [C, c * bs]
         num_reqs, heads, dim = q.shape
         chunks = req.shape[0]
-        kb = layer.kv_cache.index_select(0, blocks).view(chunks, -1, dim)  # [C, c * bs, latent]
+        kb = layer.kv_cache.index_select(0, blocks).view(chunks, -1, dim).to(q.dtype)  # [C, c * bs, latent]
         qc = q.index_select(0, req)  # [C, heads, latent]
         scores = torch.matmul(qc, kb.transpose(-1, -2)).float().mul_(layer.scale)  # [C, heads, c * bs]
         scores.masked_fill_(mask[:, None, :], float("-inf"))
@@ -134,7 +136,7 @@ class TorchMLAAttention:
         table = meta.padded_block_tables  # [R, W]
         num_reqs, width = table.shape
         _, bs, dim = layer.kv_cache.shape
-        rows = layer.kv_cache.index_select(0, table.reshape(-1)).view(num_reqs, 1, width * bs, dim)
+        rows = layer.kv_cache.index_select(0, table.reshape(-1)).view(num_reqs, 1, width * bs, dim).to(q.dtype)
         rows = rows.masked_fill_(x["rect_kv_pad"], 0.0)  # [R, 1, W * bs, latent]
         tok_req, tok_idx = x["rect_tok_req"], x["rect_tok_idx"]
         qp = q.new_zeros((num_reqs, meta.max_seqlen_q, q.shape[1], dim))

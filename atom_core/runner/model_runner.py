@@ -146,7 +146,8 @@ class ModelRunner:
         for m in self.attn_layers:
             by_type.setdefault(m.attn_type, []).append(m)
         builders = get_registry("attention_builders", pm)
-        context = BuilderContext(config=config, hf_config=hf_config, device=self.device, dtype=self.dtype)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, hf_config)
+        context = BuilderContext(config=config, hf_config=hf_config, device=self.device, dtype=kv_dtype)
         self.attn_builders.update({t: builders.get(t)(context, layers) for t, layers in by_type.items()})
         self.sampler = get_registry("samplers", pm).get(config.sampler)(config)
         # Whether an argmax-only step can save anything: a screened LM head (made now, not in the
