@@ -11,6 +11,7 @@ installed by this script only), and the rest of the step is what is left:
 * outside the model: scheduling, metadata, sampling, output bookkeeping.
 
     .venv/bin/python benchmarks/decode_profile.py [--dtype float32] [--quantization none] [--batch 1]
+        [--kv-cache-dtype auto] [--activation-bits 16]
 
 The timers cost about a microsecond a call (~130 a step), which lands in "other".
 """
@@ -62,11 +63,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--activation-bits", type=int, default=16, help="what 4-bit layers round x to (8 or 16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(
         str(fetch_default_model(quiet=True)), dtype=args.dtype, quantization=args.quantization,
-        max_model_len=1024, kv_cache_memory=1 << 29,
+        kv_cache_dtype=args.kv_cache_dtype, activation_bits=args.activation_bits, max_model_len=1024,
+        kv_cache_memory=1 << 29,
     )  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     instrument(engine, totals)
