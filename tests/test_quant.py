@@ -23,12 +23,14 @@ from atom_core.layers import quantized_gemm  # noqa: E402
 from atom_core.layers.embedding import QuantizedEmbedding  # noqa: E402
 from atom_core.layers.gemm import gemv_ops  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
+from atom_core.layers.ops import near_max  # noqa: E402
 from atom_core.layers.quantized_gemm import (  # noqa: E402
     ExactTopLogits,
     Int4PackGemm,
     Int8PackGemm,
     StreamingGroupGemm,
     quantized_linear,
+    streaming_error_bound,
 )
 from atom_core.layers.quantized_weight import QuantizedWeight, quantize_int4, quantize_int8  # noqa: E402
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, safetensors_files  # noqa: E402
@@ -146,6 +148,34 @@ def test_exact_top_logits_equal_float32_near_the_maximum():
         top = exact[r].argmax()
         torch.testing.assert_close(out[r, top], exact[r, top], atol=1e-4, rtol=1e-6)
     within_bf16(out, x, w, qw=qw)  # the rest: the kernel's own values
+
+
+@pytest.mark.parametrize(("bits", "activation_bits"), [(8, 16), (4, 16), (4, 8)])
+def test_the_streaming_kernels_error_bound_holds_and_narrows_the_exact_recompute(bits, activation_bits, kernel_variant):
+    """`streaming_error_bound` bounds every output of the kernel against the exact float64 product
+    (x with outliers, as hidden states have, and plain), and `ExactTopLogits` on the kernel
+    recomputes only what it cannot rule out: a row's top logit and a few beside it, where the
+    bfloat16 bound kept about 80 of SmolLM2's 49,152."""
+    ops = require_kernel(gemv_ops(kernel_variant))
+    gen = torch.Generator().manual_seed(bits + activation_bits)
+    w = torch.randn(4096, 256, generator=gen) * 0.05
+    qw = quantize_int8(w, 32) if bits == 8 else quantize_int4(w, 32)
+    kernel = StreamingGroupGemm(qw, ops, activation_bits)
+    per_norm, per_max = streaming_error_bound(lambda block: qw.map_rows(lambda t: t[block]).dequantize(), kernel, qw)
+    exact_w = qw.dequantize().double()
+    x = torch.randn(9, 256, generator=gen) * 3
+    x[:3, 17] = 80.0  # an outlier channel
+    out = kernel.ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, 4096, None, activation_bits).double()
+    bound = x.double().norm(dim=1) * per_norm + x.double().abs().amax(dim=1) * per_max
+    assert ((out - x.double() @ exact_w.T).abs() <= bound[:, None]).all()
+    if activation_bits == 16:  # the LM head's kernel
+        head = ExactTopLogits(kernel, qw)
+        assert head.streaming_bound == (per_norm, per_max)
+        logits = head(x)
+        exact = x @ qw.dequantize().T
+        assert torch.equal(logits.argmax(1), exact.argmax(1))
+        kept = near_max(kernel(x), bound.float().mul(1 / head.FLOAT32_EPS + 2), head.FLOAT32_EPS)[1]
+        assert kept.numel() <= 8 * 9  # a few a row
 
 
 def test_embedding_rows_from_a_quantized_table():

@@ -48,11 +48,10 @@ import torch
 
 from atom_core.forward_context import get_forward_context
 from atom_core.layers.ops import near_max
-from atom_core.layers.quantized_gemm import StreamingGroupGemm
+from atom_core.layers.quantized_gemm import StreamingGroupGemm, streaming_error_bound
 from atom_core.layers.quantized_weight import quantize_int8
 
 GROUP = 32
-ROUNDOFF = 2.0**-24  # float32's unit roundoff
 EPS = {torch.bfloat16: 2.0**-8 * 1.05, torch.float32: 2.0**-22}  # see the module's docstring
 MAX_KEPT = 1 / 8  # past this share of a row's logits, the plain head is cheaper
 # A head whose rows keep coming out flat (an untrained model's, or a stretch of high-entropy
@@ -87,27 +86,15 @@ class ArgmaxScreen:
     def build(self, bias: torch.Tensor | None) -> None:
         """The 8-bit copy and the bound's constants; `usable` False where they cannot serve."""
         weight = self.inner.rows()  # the plain [N, K] weight, for the copy and the bound
-        n, k = weight.shape
         qw = quantize_int8(weight, GROUP)
-        codes, scales, mins = StreamingGroupGemm.codes(qw)
-        d = w = q = z = 0.0
-        for i in range(0, n, 4096):  # a float64 vocabulary at once is big
-            block = slice(i, i + 4096)
-            part = codes[block].double() * scales[block].double().repeat_interleave(GROUP, dim=1)
-            zero = mins[block].double().repeat_interleave(GROUP, dim=1)
-            rows = weight[block].double()
-            d = max(d, float((rows - part - zero).norm(dim=1).max()))
-            w = max(w, float(rows.norm(dim=1).max()))
-            q = max(q, float(part.norm(dim=1).max()))
-            z = max(z, float(zero.norm(dim=1).max()))
+        kernel = StreamingGroupGemm(qw, self.inner.ops)
+        terms = streaming_error_bound(lambda block: weight[block], kernel, qw)
         finite_bias = bias is None or bool(torch.isfinite(bias).all())
-        self.usable = finite_bias and all(math.isfinite(v) for v in (d, w, q, z))  # else: float16 scales overflow
-        if not self.usable:
+        self.usable = finite_bias and terms is not None  # else: float16 scales overflow
+        if terms is None or not self.usable:
             return
-        c = 1.01 * (k + 2 * k // GROUP + 8) * ROUNDOFF
-        self.per_norm = d + c * (w + q + z)  # times |x|
-        self.per_max = q * 0.55 * math.sqrt(k) / 32767  # times max|x|
-        self.kernel = StreamingGroupGemm(qw, self.inner.ops)
+        self.per_norm, self.per_max = terms  # times |x|, times max|x|
+        self.kernel = kernel
 
     def screened(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """[rows, vocab] in x's dtype: the plain head's logits where they may be the row's

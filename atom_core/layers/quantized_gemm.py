@@ -12,6 +12,7 @@ and runs as a float weight. An LM head's kernel is wrapped in `ExactTopLogits`.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -151,6 +152,40 @@ class StreamingGroupGemm:
         return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits)
 
 
+def streaming_error_bound(
+    exact_rows: Callable[[slice], torch.Tensor], kernel: StreamingGroupGemm, qw: QuantizedWeight
+) -> tuple[float, float] | None:
+    """(per_norm, per_max): `kernel` (on `qw`, which it may hold with its scales rounded to
+    float16) is within |x| per_norm + max|x| per_max of the product of x with the rows
+    `exact_rows(block)` gives, for every output (Cauchy-Schwarz):
+
+        |kernel - exact| <= |x| (D + c (W + Q + Z)) + Q |x - xr|
+
+    D: the largest distance between an exact row and the kernel's; W, Q and Z: the largest
+    norms of an exact row, of the kernel's `q * scale` part and of its `min` part (which
+    multiplies x's own group sums); xr: x as the kernel rounds it (per group of 32 to
+    `activation_bits`, at most 0.55 max|x| / levels off per value); c: float32 rounding of the
+    sums ((K + 2 K / 32 + 8) units of 2^-24, 1% slack). None where a term is not finite.
+    """
+    codes, scales, mins = StreamingGroupGemm.codes(qw)
+    n, k = codes.shape
+    d = w = q = z = 0.0
+    for i in range(0, n, 4096):  # a float64 vocabulary at once is big
+        block = slice(i, i + 4096)
+        part = codes[block].double() * scales[block].double().repeat_interleave(32, dim=1)
+        zero = mins[block].double().repeat_interleave(32, dim=1)
+        rows = exact_rows(block).double()
+        d = max(d, float((rows - part - zero).norm(dim=1).max()))
+        w = max(w, float(rows.norm(dim=1).max()))
+        q = max(q, float(part.norm(dim=1).max()))
+        z = max(z, float(zero.norm(dim=1).max()))
+    if not all(math.isfinite(v) for v in (d, w, q, z)):  # float16 scales overflow
+        return None
+    c = 1.01 * (k + 2 * k // 32 + 8) * 2.0**-24
+    levels = 32767 if kernel.activation_bits == 16 else 127
+    return d + c * (w + q + z), q * 0.55 * math.sqrt(k) / levels
+
+
 class Int8PackGemm:
     """torch's `_weight_int8pack_mm`: 8 bits, one scale per output channel.
 
@@ -190,9 +225,17 @@ class ExactTopLogits:
     # bfloat16's unit roundoff (8 significant bits: one rounding moves a value by at most
     # 2^-8 of it), with room for float32 accumulation.
     EPS = 2.0**-8 * 1.01
+    # Atom's own kernel rounds x to int16 and sums in float32: `streaming_error_bound`, about a
+    # hundredth of the bfloat16 bound, so a row recomputes 1 to 3 logits where it did ~80.
+    FLOAT32_EPS = 2.0**-22
 
     def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor], qw: QuantizedWeight):
         self.kernel, self.qw = kernel, qw
+        self.streaming_bound: tuple[float, float] | None = None
+        if isinstance(kernel, StreamingGroupGemm):
+            self.streaming_bound = streaming_error_bound(
+                lambda block: qw.map_rows(lambda t: t[block]).dequantize(), kernel, qw
+            )
         # Rounding the activations, and the scales and zeros, to bfloat16 moves logit n by at
         # most EPS * |x| * (|w_n| + |b_n|) (Cauchy-Schwarz), b = `scale_magnitudes`; taken
         # a block of rows at a time (a float32 vocabulary is big).
@@ -209,7 +252,13 @@ class ExactTopLogits:
             return out  # bfloat16 activations: logits are no better than the kernel's anyway
         x2 = x.reshape(-1, x.shape[-1])
         out = out.reshape(x2.shape[0], -1).to(torch.float32)
-        rows, cols = near_max(out, torch.linalg.vector_norm(x2, dim=1) * self.row_bound, self.EPS)
+        if self.streaming_bound is not None:
+            per_norm, per_max = self.streaming_bound
+            bound = torch.linalg.vector_norm(x2, dim=1).mul_(per_norm).add_(x2.abs().amax(dim=1), alpha=per_max)
+            # near_max keeps out >= max - 2 eps (base + |max| + 1): base = bound (1 / eps + 2)
+            rows, cols = near_max(out, bound.mul_(1 / self.FLOAT32_EPS + 2), self.FLOAT32_EPS)
+        else:
+            rows, cols = near_max(out, torch.linalg.vector_norm(x2, dim=1) * self.row_bound, self.EPS)
         exact = (x2[rows] * self.qw.dequantize(torch.float32, rows=cols)).sum(dim=1)
         out[rows, cols] = exact
         return out.reshape(*x.shape[:-1], -1)
