@@ -236,15 +236,17 @@ class ExactTopLogits:
             self.streaming_bound = streaming_error_bound(
                 lambda block: qw.map_rows(lambda t: t[block]).dequantize(), kernel, qw
             )
-        # Rounding the activations, and the scales and zeros, to bfloat16 moves logit n by at
-        # most EPS * |x| * (|w_n| + |b_n|) (Cauchy-Schwarz), b = `scale_magnitudes`; taken
-        # a block of rows at a time (a float32 vocabulary is big).
-        w_max = b_max = 0.0
-        for i in range(0, qw.shape[0], 4096):
-            block = qw.map_rows(lambda t: t[i : i + 4096])
-            w_max = max(w_max, float(block.dequantize().norm(dim=1).max()))
-            b_max = max(b_max, float(block.scale_magnitudes().norm(dim=1).max()))
-        self.row_bound = w_max + b_max
+        self.row_bound = 0.0  # the bfloat16 bound's, where the streaming kernel's does not serve
+        if self.streaming_bound is None:
+            # Rounding the activations, and the scales and zeros, to bfloat16 moves logit n by at
+            # most EPS * |x| * (|w_n| + |b_n|) (Cauchy-Schwarz), b = `scale_magnitudes`; taken
+            # a block of rows at a time (a float32 vocabulary is big).
+            w_max = b_max = 0.0
+            for i in range(0, qw.shape[0], 4096):
+                block = qw.map_rows(lambda t: t[i : i + 4096])
+                w_max = max(w_max, float(block.dequantize().norm(dim=1).max()))
+                b_max = max(b_max, float(block.scale_magnitudes().norm(dim=1).max()))
+            self.row_bound = w_max + b_max
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.kernel(x)

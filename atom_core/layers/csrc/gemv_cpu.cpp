@@ -279,6 +279,14 @@ constexpr int QROWS = 1;
 // tile-group's bytes hold the weights (word 2j: the low nibbles of its 64 bytes j, 2j + 1:
 // the high ones; byte b of a column's lane: int16 b / 2, nibbles 2 (b % 2) and 2 (b % 2) + 1).
 constexpr int quad_k(int w, int b) { return 8 * (w / 2) + 2 * (2 * (b % 2) + w % 2) + b / 2; }
+// Its inverse: where k's value sits among a group's 32 bytes (4 w + b).
+constexpr int quad_byte(int k) { return 4 * (2 * (k / 8) + (k % 8) / 2 % 2) + 2 * (k % 2) + (k % 8) / 4; }
+constexpr bool quad_byte_inverts_quad_k() {
+  for (int k = 0; k < 32; ++k)
+    if (quad_k(quad_byte(k) / 4, quad_byte(k) % 4) != k) return false;
+  return true;
+}
+static_assert(quad_byte_inverts_quad_k());
 
 // x as ABITS-bit integers per group of 32, with dx and the float32 sum of each group. A
 // group is WORDS int32 words: int16 pairs (k = 2p, 2p + 1) or int8 quads (`quad_k`). Rows
@@ -607,10 +615,7 @@ template <int ABITS>
 inline int32_t x_at(const QRows<ABITS>& xs, int64_t m, int64_t g, int k) {
   const int32_t* words = xs.q.data() + xs.word(m, QRows<ABITS>::WORDS * g);
   if constexpr (ABITS == 16) return reinterpret_cast<const int16_t*>(words)[k];
-  for (int b = 0; b < 4; ++b)
-    for (int w = 0; w < 8; ++w)
-      if (quad_k(w, b) == k) return reinterpret_cast<const int8_t*>(words)[4 * w + b];
-  return 0;
+  return reinterpret_cast<const int8_t*>(words)[quad_byte(k)];
 }
 
 template <int BITS, int ABITS, typename T>
