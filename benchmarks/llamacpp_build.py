@@ -10,6 +10,7 @@ cores (the server longer); a `built` stamp written after success marks it reusab
 
     .venv/bin/python benchmarks/llamacpp_build.py            # build llama-batched-bench if needed, print its path
     .venv/bin/python benchmarks/llamacpp_build.py --server   # the same for llama-server
+    .venv/bin/python benchmarks/llamacpp_build.py --isa=avx2 # llama-batched-bench at AVX2, not -march=native
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
 )
+# What an AVX2-only x86-64 CPU (AMD before Zen 4, Intel client cores since Alder Lake) gets
+# from llama.cpp: its x86 build at that level instead of -march=native, so an AVX-512 host can
+# measure the AVX2 paths of llama.cpp beside Atom's (`ATOM_CPU_ISA=avx2`).
+ISA_OPTIONS = {
+    "avx2": (
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_SSE42=ON",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AVX512=OFF",
+    ),  # fmt: skip
+}
 SERVER_TARGET = "llama-server"
 SERVER_OPTIONS = (
     *(o for o in CMAKE_OPTIONS if o != "-DLLAMA_BUILD_SERVER=OFF"),
@@ -57,9 +74,15 @@ def llama_cpp_commit(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
     return path.read_text().strip() if path.is_file() else "unknown"
 
 
-def batched_bench(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """Path of the `llama-batched-bench` binary, fetching and building it on first use."""
-    return _build(TARGET, "build", CMAKE_OPTIONS, version)
+def batched_bench(version: str = LLAMA_CPP_PYTHON_VERSION, isa: str | None = None) -> Path:
+    """Path of the `llama-batched-bench` binary, fetching and building it on first use; with
+    `isa` (a key of ISA_OPTIONS), a build of its own capped at that instruction set."""
+    if isa is None:
+        return _build(TARGET, "build", CMAKE_OPTIONS, version)
+    if isa not in ISA_OPTIONS:
+        raise ValueError(f"isa must be one of {', '.join(ISA_OPTIONS)} (or None for -march=native), got {isa!r}")
+    options = (*(o for o in CMAKE_OPTIONS if o != "-DGGML_NATIVE=ON"), *ISA_OPTIONS[isa])
+    return _build(TARGET, f"build-{isa}", options, version)
 
 
 def llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -132,4 +155,5 @@ def _log(message: str) -> None:
 
 
 if __name__ == "__main__":
-    print(llama_server() if "--server" in sys.argv[1:] else batched_bench())
+    _isa = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--isa=")), None)
+    print(llama_server() if "--server" in sys.argv[1:] else batched_bench(isa=_isa))

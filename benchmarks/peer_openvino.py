@@ -20,6 +20,7 @@ Only the standard library, numpy and OpenVINO are imported: this file runs in th
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,11 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
     scheduler.max_num_batched_tokens = max(max(job["batches"]) * job["prompt_tokens"], job["pp_tokens"])
     properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": job["threads"]}
     hint = PRECISION_HINTS[job["precision"]]
+    isa = os.environ.get("ATOM_PEER_ISA")
+    if isa == "avx2":
+        # The CPU plugin chooses bfloat16 from CPUID, not from oneDNN's cap (it then fails to
+        # create its primitives): f32 is what it runs on an AVX2 CPU, for either hint.
+        hint = "f32"
     if hint:
         properties["INFERENCE_PRECISION_HINT"] = hint
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
@@ -54,6 +60,9 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
              f"IR {Path(job['model']).name}, INFERENCE_PRECISION_HINT {hint or f'{default_hint} (CPU default)'}, "
              f"KV cache {_type_name(core.get_property('CPU', 'KV_CACHE_PRECISION'))} (CPU default), "
              f"INFERENCE_NUM_THREADS {job['threads']}")  # fmt: skip
+    if isa:
+        setup += (f", at {isa}: ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, hint f32 "
+                  "(its bf16 needs AVX-512); its float32 GEMMs (MLAS) choose by CPUID, not capped")  # fmt: skip
     decode_rate(pipe, [[100] * 16] * 2, 4)  # warm-up
     return pipe, setup
 

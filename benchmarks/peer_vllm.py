@@ -32,6 +32,14 @@ DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 def load(job: dict[str, Any]) -> tuple[Any, str]:
     import torch
+
+    isa = os.environ.get("ATOM_PEER_ISA")
+    if isa == "avx2":
+        # vLLM picks its _C build (AVX-512 with or without bfloat16, or AVX2) from torch's CPUID
+        # queries, which no environment variable caps; on an AVX2 CPU they say no.
+        torch.cpu._is_avx512_supported = lambda: False
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+        torch.cpu._is_amx_tile_supported = lambda: False
     import vllm
     from vllm import LLM
 
@@ -49,6 +57,10 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
              f"executor {config.parallel_config.distributed_executor_backend} (in-process), "
              f"{torch.get_num_threads()} torch threads, "
              f"KV space VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB")  # fmt: skip
+    if isa:
+        caps = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+        setup += (f", at {isa}: torch capability {torch.backends.cpu.get_cpu_capability()}, "
+                  + ", ".join(f"{v}={os.environ.get(v, 'unset')}" for v in caps) + ", vllm._C_AVX2")  # fmt: skip
     decode_rate(engine, [[100] * 16] * 2, 4)  # warm-up
     return engine, setup
 

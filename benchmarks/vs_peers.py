@@ -66,9 +66,18 @@ llama.cpp's thread pool): with another process on one of the 2 cores, their batc
 drop tenfold (seen while writing this), while OpenVINO's TBB tasks suffered far less. Each table's last row is Atom's
 tokens/s over the best peer's in that cell (> 1: Atom is faster).
 
+With `--isa avx2` every engine runs as it would on an AVX2-only x86-64 CPU, so an AVX-512 host
+can measure the kind of CPU most users have: Atom under `ATOM_CPU_ISA=avx2` (its AVX2 kernels;
+oneDNN, MKL and torch's own kernels capped at AVX2), llama.cpp built at AVX2 instead of
+-march=native (`llamacpp_build.ISA_OPTIONS`), vLLM with the same caps and its `_C_AVX2` kernels,
+OpenVINO with oneDNN capped and the f32 inference precision its CPU plugin takes without
+AVX-512 bfloat16. What no setting reaches is listed beside each engine: OpenVINO's float32
+GEMMs (MLAS) pick their kernels from CPUID themselves. The cores are still this host's, so the
+figures estimate an AVX2 host's ratios; its own run is the measurement.
+
     .venv/bin/python benchmarks/vs_peers.py [--peers llama.cpp,vllm,openvino]
         [--precisions f32,bf16,q4] [--batches 1,8,32] [--rounds 1] [--threads 2]
-        [--new-tokens 128] [--prompt-tokens 32]
+        [--new-tokens 128] [--prompt-tokens 32] [--isa avx2]
     .venv/bin/python benchmarks/peers_setup.py       # only install the vLLM / OpenVINO venvs
 """
 
@@ -111,6 +120,7 @@ from vs_llamacpp import (  # noqa: E402
 )
 
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, fetch_default_model  # noqa: E402
+from atom_core.platform.cpu_features import cap_torch_and_onednn, cpu_features  # noqa: E402
 
 PRECISIONS = ("f32", "bf16", "q4")
 ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "q4": "q4_1"}  # vs_llamacpp's names
@@ -120,6 +130,8 @@ OPENVINO_WEIGHTS = {"f32": "fp32", "bf16": "fp32", "q4": "int4"}  # bf16: fp32 I
 # activations (what llama.cpp's Q8_1 and OpenVINO's dynamic quantization multiply 4-bit weights
 # by) and a 16-bit KV cache (llama.cpp's f16; OpenVINO's is u8).
 ATOM_ALSO = {"q4": {"Atom a8 kv16": dict(activation_bits=8, kv_cache_dtype="bfloat16")}}
+ISAS = ("avx2",)
+PEER_ISA = "ATOM_PEER_ISA"  # tells a peer worker which level to run at (peer_vllm.py, peer_openvino.py)
 LOAD_TIMEOUT = 1800.0  # s, a worker's model load (first-time compiles included)
 RUN_TIMEOUT = 1800.0  # s, one round of one worker
 
@@ -161,12 +173,12 @@ class LlamaCpp(Peer):
 
     def start(self) -> str:
         _say(f"llama.cpp {self.precision}: building llama-batched-bench if needed, converting the GGUF if needed")
-        binary = batched_bench()
+        binary = batched_bench(isa=self.args.isa)
         gguf = gguf_files([self.precision], self.folder)[self.precision]
         a = self.args
         self.commands = (llama_command(binary, gguf, a, a.prompt_tokens, a.new_tokens, a.batches),
                          llama_command(binary, gguf, a, PP_TOKENS, 1, [1]))  # fmt: skip
-        self.setup = f"llama.cpp {llama_cpp_commit()[:12]}, {gguf.name}"
+        self.setup = f"llama.cpp {llama_cpp_commit()[:12]}{self._built()}, {gguf.name}"
         for cmd in self.commands:
             _say(f"    {shlex.join(cmd)}")
         return self.setup
@@ -174,8 +186,11 @@ class LlamaCpp(Peer):
     def run(self) -> Speeds:
         assert self.commands is not None
         speeds, detail = llama_speeds(self.commands, self.args.batches)
-        self.setup = f"llama.cpp {llama_cpp_commit()[:12]}, {Path(self.commands[0][2]).name}, {detail}"
+        self.setup = f"llama.cpp {llama_cpp_commit()[:12]}{self._built()}, {Path(self.commands[0][2]).name}, {detail}"
         return speeds
+
+    def _built(self) -> str:
+        return f" (built for {self.args.isa}, GGML_NATIVE=OFF)" if self.args.isa else ""
 
 
 class Worker(Peer):
@@ -208,6 +223,8 @@ class Worker(Peer):
                "prompts": prompts, "long_prompt": long_prompt}  # fmt: skip
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.env()}
+        if self.args.isa:  # the caps atom_core set in this process are inherited; the worker adds its own
+            env[PEER_ISA] = self.args.isa
         env.pop("PYTHONPATH", None)
         cmd = [str(python), str(_REPO / "benchmarks" / self.script)]
         _say(f"{self.name} {self.precision}: starting `{shlex.join(cmd)}` on {model} (log {self.log})")
@@ -409,6 +426,8 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
     print(f"\n## Atom vs {', '.join(peer_names) or 'no peer'}: {DEFAULT_MODEL_NAME}, {args.threads} threads, "
           f"best of {args.rounds} round(s)\n")  # fmt: skip
     print(cpu_description())
+    if args.isa:
+        print(f"Every engine capped at {args.isa} (--isa): each engine's list below says what the cap reaches")
     print(f"\ntokens/s; batch N = decode of N sequences ({args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, prefill excluded), pp{PP_TOKENS} = prompt processing; '-' = not measured")  # fmt: skip
     for r in results:
@@ -465,6 +484,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--isa", choices=ISAS, default=None, help="run every engine as on a CPU of this level")
     args = ap.parse_args()
     args.peers = [p.strip().lower() for p in args.peers.split(",") if p.strip()]
     args.precisions = ["q4" if p.strip() == "q4_1" else p.strip() for p in args.precisions.split(",") if p.strip()]
@@ -475,8 +495,20 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def cap_isa(isa: str | None) -> None:
+    """Under `--isa`, restart this script with ATOM_CPU_ISA set, so that torch, oneDNN and MKL
+    choose their kernels as on such a CPU from the start (atom_core caps them at import)."""
+    if isa and os.environ.get("ATOM_CPU_ISA") != isa:
+        _say(f"restarting under ATOM_CPU_ISA={isa}")
+        os.environ["ATOM_CPU_ISA"] = isa
+        cpu_features.cache_clear()
+        cap_torch_and_onednn()  # torch is imported above atom_core: its caps are set before the restart
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 def main() -> None:
     args = parse_args()
+    cap_isa(args.isa)
     torch.set_num_threads(args.threads)
     _say(cpu_description())
     _say("fetching Atom's default model (converted once from the shipped Q4_1 GGUF)")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +123,28 @@ def test_atom_env_names_the_variant_of_each_kernel(capsys):
     for name in ("atom_cpu_ops", "atom_gemv", "atom_moe_ops", "atom_paged_attention_cpu"):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert line.split()[1] == variant, line
+
+
+def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
+    """What torch, oneDNN and MKL pick must match the level too (set before torch chooses), and
+    what the user set stays as set."""
+    from atom_core.platform.cpu_features import cpu_features
+
+    if "avx2" not in cpu_features().variants:
+        pytest.skip("the CPU cannot run AVX2: ATOM_CPU_ISA=avx2 is refused here (tested above)")
+    code = (
+        "import json, os, atom_core, torch; "
+        "names = ('ONEDNN_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY', 'MKL_ENABLE_INSTRUCTIONS'); "
+        "print(json.dumps({**{n: os.environ.get(n) for n in names}, "
+        "'capability': torch.backends.cpu.get_cpu_capability()}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                                              "MKL_ENABLE_INSTRUCTIONS")}  # fmt: skip
+    run = lambda **extra: json.loads(  # noqa: E731
+        subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                       check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+    capped = run(ATOM_CPU_ISA="avx2")
+    assert capped == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX2", "capability": "AVX2"}  # fmt: skip
+    assert run(ATOM_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+    assert run()["MKL_ENABLE_INSTRUCTIONS"] is None  # nothing capped without ATOM_CPU_ISA

@@ -9,8 +9,9 @@ features this CPU has is chosen.
 `ATOM_CPU_ISA=avx2` (or `avx512`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
 would on a CPU of that level: the kernel variant, and whether oneDNN's packed bfloat16
 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
-(`ONEDNN_MAX_CPU_ISA`) and torch's own kernels (`ATEN_CPU_CAPABILITY`) where those are not
-set, as early as `import atom_core`, before torch has chosen. A level above what the CPU
+(`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
+(`ATEN_CPU_CAPABILITY`) where those are not set, as early as `import atom_core`, before torch
+has chosen. A level above what the CPU
 has is refused. This module imports no torch.
 """
 
@@ -32,9 +33,11 @@ class Variant:
     name: str
     requires: frozenset[str]
     cflags: tuple[str, ...]
-    # what torch calls the level (ATEN_CPU_CAPABILITY) and oneDNN's cap for it (ONEDNN_MAX_CPU_ISA)
+    # what torch calls the level (ATEN_CPU_CAPABILITY), oneDNN's cap for it (ONEDNN_MAX_CPU_ISA)
+    # and MKL's (MKL_ENABLE_INSTRUCTIONS: torch's float32 BLAS on x86)
     aten: str
     onednn: str
+    mkl: str
 
 
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -57,6 +60,7 @@ VARIANTS: tuple[Variant, ...] = (
         ),
         "avx512",
         "AVX512_CORE_BF16",
+        "AVX512",
     ),  # fmt: skip
     Variant(
         "avx512",
@@ -64,10 +68,11 @@ VARIANTS: tuple[Variant, ...] = (
         ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
         "avx512",
         "AVX512_CORE",
+        "AVX512",
     ),
-    Variant("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c"), "avx2", "AVX2"),
+    Variant("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c"), "avx2", "AVX2", "AVX2"),
     # compiles anywhere (aarch64 included): generic vectors the compiler maps to what it has
-    Variant("portable", frozenset(), (), "default", "SSE41"),
+    Variant("portable", frozenset(), (), "default", "SSE41", "SSE4_2"),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
@@ -149,7 +154,7 @@ def cpu_features() -> CpuFeatures:
 
 
 def cap_torch_and_onednn() -> None:
-    """Under ATOM_CPU_ISA, cap oneDNN and torch's kernels at the same level (where unset), so
+    """Under ATOM_CPU_ISA, cap oneDNN, MKL and torch's kernels at the same level (where unset), so
     they too choose as on such a CPU. Needs to run before torch picks (at `import atom_core`)."""
     if not os.environ.get(ENV_ISA):
         return
@@ -160,3 +165,4 @@ def cap_torch_and_onednn() -> None:
     if features.capped:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", features.variant.onednn)
         os.environ.setdefault("ATEN_CPU_CAPABILITY", features.variant.aten)
+        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", features.variant.mkl)
