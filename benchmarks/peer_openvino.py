@@ -49,8 +49,10 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
     isa = os.environ.get("ATOM_PEER_ISA")
     if isa == "avx2":
         # The CPU plugin chooses bfloat16 from CPUID, not from oneDNN's cap (it then fails to
-        # create its primitives): f32 is what it runs on an AVX2 CPU, for either hint.
+        # create its primitives): f32 is what it runs on an AVX2 CPU, for either hint. Its 4-bit
+        # layers' dynamic quantization needs VNNI (not in AVX2) and also fails under the cap.
         hint = "f32"
+        properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     if hint:
         properties["INFERENCE_PRECISION_HINT"] = hint
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
@@ -62,7 +64,8 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
              f"INFERENCE_NUM_THREADS {job['threads']}")  # fmt: skip
     if isa:
         setup += (f", at {isa}: ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, hint f32 "
-                  "(its bf16 needs AVX-512); its float32 GEMMs (MLAS) choose by CPUID, not capped")  # fmt: skip
+                  "(its bf16 needs AVX-512), no dynamic quantization (it needs VNNI); its float32 GEMMs (MLAS) "
+                  "choose by CPUID, not capped")  # fmt: skip
     decode_rate(pipe, [[100] * 16] * 2, 4)  # warm-up
     return pipe, setup
 
