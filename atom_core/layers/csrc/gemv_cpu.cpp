@@ -73,11 +73,12 @@ inline void prefetch_step(const void* p) {
 
 // One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
 // outputs L h .. L h + L - 1 of row m.
-template <int M>
+// kStream: w is read from memory (prefetched ahead), not a scratch tile already in cache.
+template <int M, bool kStream = true>
 inline void tile_f32(const float* x, int64_t K, const float* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * TILE;
-    prefetch_step(wk);
+    if constexpr (kStream) prefetch_step(wk);
     const vf w0 = simd::load(wk), w1 = simd::load(wk + L);
     UNROLL for (int m = 0; m < M; ++m) {
       const vf xv = simd::set1(x[m * K + k]);
@@ -103,6 +104,23 @@ inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, vf 
   }
 }
 
+// A bfloat16 tile widened (exactly) into the float32 tile layout [K][TILE], for `tile_f32`
+// over many rows: every pass of `tile_bf16_f32` widens the tile again, and with AVX2's four
+// rows a pass those shifts and ands take issue slots from the FMAs. tile_f32 over the widened
+// tile adds the same products in the same order (k, then k + 1), so the sums are the same bits.
+inline void widen_tile(const c10::BFloat16* w, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 2) {
+    const c10::BFloat16* wk = w + k * TILE;
+    prefetch_step(wk);
+    UNROLL for (int h = 0; h < 2; ++h) {
+      vf even, odd;
+      simd::load_pairs(wk + 2 * L * h, even, odd);
+      simd::store(out + k * TILE + L * h, even);
+      simd::store(out + (k + 1) * TILE + L * h, odd);
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bfloat16 weights and activations: one vdpbf16ps per pair (x's pair broadcast as 32 bits).
 // Without avx512_bf16, bfloat16 activations are widened to float32 first (`gemv`).
@@ -123,14 +141,14 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
 }
 #endif
 
-// Tile t for rows [0, M) of x (already offset to the block's first row), written to y.
-template <typename W, typename X, typename T, int M>
-inline void one_tile(const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t t) {
+// Tile t (its weights at wt) for rows [0, M) of x (already offset to the block's first row),
+// written to y. kStream: wt is the weight in memory, not a widened copy in cache.
+template <typename W, typename X, typename T, int M, bool kStream>
+inline void one_tile(const X* x, int64_t K, const W* wt, int64_t N, const float* bias, T* y, int64_t t) {
   vf acc[2][M];
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
-  const W* wt = w + t * TILE * K;
-  if constexpr (std::is_same_v<W, float>) tile_f32<M>(x, K, wt, acc);
+  if constexpr (std::is_same_v<W, float>) tile_f32<M, kStream>(x, K, wt, acc);
   else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
 #if defined(__AVX512BF16__)
   else tile_bf16<M>(x, K, wt, acc);
@@ -145,18 +163,18 @@ inline void one_tile(const X* x, int64_t K, const W* w, int64_t N, const float* 
   }
 }
 
-template <typename W, typename X, typename T>
-void rows_tile(int rows, const X* x, int64_t K, const W* w, int64_t N, const float* bias, T* y, int64_t t) {
+template <typename W, typename X, typename T, bool kStream = true>
+void rows_tile(int rows, const X* x, int64_t K, const W* wt, int64_t N, const float* bias, T* y, int64_t t) {
   switch (rows) {
-    case 1: return one_tile<W, X, T, 1>(x, K, w, N, bias, y, t);
-    case 2: return one_tile<W, X, T, 2>(x, K, w, N, bias, y, t);
-    case 3: return one_tile<W, X, T, 3>(x, K, w, N, bias, y, t);
-    case 4: return one_tile<W, X, T, 4>(x, K, w, N, bias, y, t);
+    case 1: return one_tile<W, X, T, 1, kStream>(x, K, wt, N, bias, y, t);
+    case 2: return one_tile<W, X, T, 2, kStream>(x, K, wt, N, bias, y, t);
+    case 3: return one_tile<W, X, T, 3, kStream>(x, K, wt, N, bias, y, t);
+    case 4: return one_tile<W, X, T, 4, kStream>(x, K, wt, N, bias, y, t);
 #if defined(__AVX512F__)
-    case 5: return one_tile<W, X, T, 5>(x, K, w, N, bias, y, t);
-    case 6: return one_tile<W, X, T, 6>(x, K, w, N, bias, y, t);
-    case 7: return one_tile<W, X, T, 7>(x, K, w, N, bias, y, t);
-    case 8: return one_tile<W, X, T, 8>(x, K, w, N, bias, y, t);
+    case 5: return one_tile<W, X, T, 5, kStream>(x, K, wt, N, bias, y, t);
+    case 6: return one_tile<W, X, T, 6, kStream>(x, K, wt, N, bias, y, t);
+    case 7: return one_tile<W, X, T, 7, kStream>(x, K, wt, N, bias, y, t);
+    case 8: return one_tile<W, X, T, 8, kStream>(x, K, wt, N, bias, y, t);
 #endif
   }
 }
@@ -164,14 +182,29 @@ void rows_tile(int rows, const X* x, int64_t K, const W* w, int64_t N, const flo
 // Every row of x against every tile. Each thread takes a contiguous run of tiles (a long
 // sequential stream), at least two; within it, chunks of rows, and within a chunk each tile
 // in passes of up to ROWS rows (the first pass reads the tile from memory, the others from cache).
+// bfloat16 weights against float32 rows: a chunk that takes more than one pass widens the
+// tile once (`widen_tile`) and every pass reads the float32 copy.
 template <typename W, typename X, typename T>
 void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
+  constexpr bool kWidens = std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, float>;
   at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(kWidens && M > ROWS ? TILE * K : 0);
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
       const int64_t c1 = std::min(M, c0 + CHUNK_ROWS);
-      for (int64_t t = begin; t < end; ++t)
+      for (int64_t t = begin; t < end; ++t) {
+        const W* wt = w + t * TILE * K;
+        if constexpr (kWidens) {
+          if (c1 - c0 > ROWS) {
+            widen_tile(wt, K, wide.data());
+            for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
+              rows_tile<float, float, T, false>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K,
+                                                wide.data(), N, bias, y + m0 * N, t);
+            continue;
+          }
+        }
         for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
-          rows_tile<W, X, T>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K, w, N, bias, y + m0 * N, t);
+          rows_tile<W, X, T>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K, wt, N, bias, y + m0 * N, t);
+      }
     }
   });
 }
