@@ -353,11 +353,10 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
       float mx = m[i], sum = 0.f;
       if (seen == C && from == 0) {  // every key of the chunk is seen: no mask
         mx = std::max(mx, simd::reduce_max(simd::max(simd::load(si), simd::load(si + L))));
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < C; ++t) {
-          si[t] = exp_nonpositive(si[t] - mx);
-          sum += si[t];
-        }
+#pragma omp simd
+        for (int64_t t = 0; t < C; ++t) si[t] = exp_nonpositive(si[t] - mx);
+        // one tree reduction: the loop's own sum reduction came out as 32 scalar adds in lane order
+        sum = simd::reduce_add(simd::add(simd::load(si), simd::load(si + L)));
       } else {
         for (int64_t t = from; t < seen; ++t) mx = std::max(mx, si[t]);
 #pragma omp simd reduction(+ : sum)
