@@ -238,8 +238,10 @@ struct Options {
 
 // The tiled path's inner products for head_dim D (a multiple of the vector width). Keys
 // come in chunks of kChunk = 2 vectors; kt holds a request's keys for one KV head
-// transposed ([D][padded keys], float32), so a chunk's scores for kScoreRows rows stay in
-// registers while d runs, and V rows are read where they lie, once per kAccRows rows.
+// transposed chunk by chunk ([chunks][D][kChunk], float32: a chunk's 8 KiB are contiguous,
+// where rows of all the keys put its lines a few KiB apart, on the same few L1 sets), so a
+// chunk's scores for kScoreRows rows stay in registers while d runs, and V rows are read
+// where they lie, once per kAccRows rows.
 template <typename T, int D>
 struct Tiled {
   static constexpr int N = D / L;
@@ -249,11 +251,11 @@ struct Tiled {
   static_assert(D == 0 || N % kSlice == 0, "the tiled path takes head dims of a multiple of kSlice vectors");
   static constexpr int kAccRows = kWide ? 6 : 2;
 
-  // s[r][0..kChunk) = qf[r] . keys c0.. for rows [0, rows).
-  static void scores(const float* qf, int64_t rows, const float* kt, int64_t kt_stride, float* s) {
+  // s[r][0..kChunk) = qf[r] . the chunk's keys (kt: the chunk, [D][kChunk]) for rows [0, rows).
+  static void scores(const float* qf, int64_t rows, const float* kt, float* s) {
     int64_t r0 = 0;
-    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qf + r0 * D, kt, kt_stride, s + r0 * kChunk);
-    if (r0 < rows) by_count<kScoreRows - 1>(rows - r0, [&](auto r) { score_rows<r>(qf + r0 * D, kt, kt_stride, s + r0 * kChunk); });
+    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qf + r0 * D, kt, s + r0 * kChunk);
+    if (r0 < rows) by_count<kScoreRows - 1>(rows - r0, [&](auto r) { score_rows<r>(qf + r0 * D, kt, s + r0 * kChunk); });
   }
   // acc[r] += sum_t p[r][t] * V row t, for t < n (vrows[t] points at each).
   static void accumulate(const float* p, int64_t rows, const T* const* vrows, int64_t n, float* acc) {
@@ -273,11 +275,11 @@ struct Tiled {
     }
   }
   template <int R>
-  static void score_rows(const float* qf, const float* kt, int64_t kt_stride, float* s) {
+  static void score_rows(const float* qf, const float* kt, float* s) {
     vf a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
     for (int d = 0; d < D; ++d) {
-      const vf k0 = simd::load(kt + d * kt_stride), k1 = simd::load(kt + d * kt_stride + L);
+      const vf k0 = simd::load(kt + d * kChunk), k1 = simd::load(kt + d * kChunk + L);
       for (int r = 0; r < R; ++r) {
         const vf b = simd::set1(qf[r * D + d]);
         a[r][0] = simd::fmadd(b, k0, a[r][0]);
@@ -310,11 +312,11 @@ struct Tiled {
 };
 
 // The tiled path for request r's tokens [j0, j1) and KV head h. kt: the request's keys for
-// that head, transposed. Row i of the tile is token j0 + i / group, query head h * group + i % group.
+// that head, transposed chunk by chunk (`transpose_keys`). Row i of the tile is token j0 + i / group, query head h * group + i % group.
 template <typename Q, typename T, int D>
 void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
                  int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const float* kt,
-                 int64_t kt_stride, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
+                 const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
                  int64_t block_size, float scale, const Options& opt, std::vector<float>& work,
                  std::vector<const T*>& vrows) {
   using K = Tiled<T, D>;
@@ -339,7 +341,7 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   // keys before the tile's first token's window are seen by no row: start at its chunk
   for (int64_t c0 = opt.first_key(first + j0) / C * C; c0 < keys; c0 += C) {
     const int64_t cn = std::min<int64_t>(C, keys - c0);
-    K::scores(qf, rows, kt + c0, kt_stride, s);
+    K::scores(qf, rows, kt + c0 * D, s);  // chunk c0 / C starts at (c0 / C) * D * C
     for (int64_t i = 0; i < rows; ++i) {
       float* si = s + i * C;
       const int64_t pos = first + j0 + i / group;
@@ -465,14 +467,16 @@ void attend_tokens(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, in
   }
 }
 
-// Request r's keys for KV head h, float32, transposed into kt[d * stride + t]; the
-// padding past its last key stays zero.
-template <typename T>
+// Request r's keys for KV head h, float32, transposed chunk by chunk of C keys:
+// key t's value d at kt[(t / C) * dim * C + d * C + t % C]; the padding past its last key
+// stays zero.
+template <int C, typename T>
 void transpose_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr, int64_t block_size,
-                    int64_t keys, int64_t dim, float* kt, int64_t stride) {
+                    int64_t keys, int64_t dim, float* kt) {
   for (int64_t t = 0; t < keys; ++t) {
     const T* row = kbase + table[t / block_size] * kb + (t % block_size) * kr;
-    for (int64_t d = 0; d < dim; ++d) kt[d * stride + t] = to_float(row[d]);
+    float* chunk = kt + (t / C) * dim * C + t % C;
+    for (int64_t d = 0; d < dim; ++d) chunk[d * C] = to_float(row[d]);
   }
 }
 
@@ -534,8 +538,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const int64_t r = i / kv_heads, h = i % kv_heads;
         if (kt_offset[r] < 0) continue;
         const int64_t stride = padded(r);
-        transpose_keys(kp + h * kh, tables + r * max_blocks, kb, kr, block_size, ctx[r], dim,
-                       kt.data() + kt_offset[r] + h * dim * stride, stride);
+        transpose_keys<kChunk>(kp + h * kh, tables + r * max_blocks, kb, kr, block_size, ctx[r], dim,
+                               kt.data() + kt_offset[r] + h * dim * stride);
       }
     });
   }
@@ -556,7 +560,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const int64_t stride = padded(r);
         attend_tile<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
                           std::min(n, task.j0 + kTileTokens), h, group, kt.data() + kt_offset[r] + h * dim * stride,
-                          stride, vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
+                          vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
   });
