@@ -77,6 +77,22 @@ def test_allocate_without_prefix_caching():
     assert sorted(bm.free_block_ids) == list(range(8))
 
 
+def test_freed_blocks_are_reused_first_without_prefix_caching_and_last_with_it():
+    """Without a prefix cache a freed block goes to the front of the free list (its memory is
+    mapped and warm; the pool's untouched blocks are page faults); with one, to the back (LRU:
+    a later hit may revive it)."""
+    for prefix, expected in [(False, [0, 1, 2]), (True, [3, 4, 5])]:
+        bm = manager(prefix=prefix)
+        a = make_seq(40)
+        bm.allocate(a)
+        assert a.block_table == [0, 1, 2]
+        bm.deallocate(a)
+        b = make_seq(40, start=1000)  # other tokens: no prefix hit either way
+        bm.allocate(b)
+        assert b.num_cached_tokens == 0 and b.block_table == expected, prefix
+        assert_pool_consistent(bm, [b])
+
+
 def test_only_full_blocks_are_hashed():
     bm = manager()
     s = make_seq(40)

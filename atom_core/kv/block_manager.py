@@ -279,10 +279,16 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                # To the back of the free list, tail blocks first: the prefix blocks that
-                # other requests are likeliest to share are the last to be recycled.
                 self.used_block_ids.remove(block_id)
-                self.free_block_ids.append(block_id)
+                if self.enable_prefix_caching:
+                    # To the back of the free list, tail blocks first: the prefix blocks that
+                    # other requests are likeliest to share are the last to be recycled.
+                    self.free_block_ids.append(block_id)
+                else:
+                    # No hit can revive it: to the front, where the next request takes blocks
+                    # whose memory is mapped and may still be cached, instead of a block of the
+                    # pool never touched yet (a page fault, and 2 MB zeroed in a huge page).
+                    self.free_block_ids.appendleft(block_id)
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
         seq.block_table.clear()
