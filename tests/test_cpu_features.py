@@ -127,10 +127,9 @@ def test_atom_env_names_the_variant_of_each_kernel(capsys):
 
 def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
     """What torch, oneDNN and MKL pick must match the level too (set before torch chooses), and
-    what the user set stays as set."""
-    from atom_core.platform.cpu_features import cpu_features
-
-    if "avx2" not in cpu_features().variants:
+    what the user set stays as set; on a CPU of that level already nothing is capped."""
+    best = detect(isa="").variants
+    if "avx2" not in best:
         pytest.skip("the CPU cannot run AVX2: ATOM_CPU_ISA=avx2 is refused here (tested above)")
     code = (
         "import json, os, atom_core, torch; "
@@ -138,12 +137,16 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
         "print(json.dumps({**{n: os.environ.get(n) for n in names}, "
         "'capability': torch.backends.cpu.get_cpu_capability()}))"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
-                                                              "MKL_ENABLE_INSTRUCTIONS")}  # fmt: skip
+    names = ("ATOM_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    env = {k: v for k, v in os.environ.items() if k not in names}  # as a user starts it
     run = lambda **extra: json.loads(  # noqa: E731
         subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                        check=True).stdout.strip().splitlines()[-1])  # fmt: skip
     capped = run(ATOM_CPU_ISA="avx2")
+    assert capped["capability"] == "AVX2"
+    if best[0] == "avx2":  # an AVX2 CPU: nothing to cap
+        assert capped["MKL_ENABLE_INSTRUCTIONS"] is capped["ONEDNN_MAX_CPU_ISA"] is None
+        return
     assert capped == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
                       "MKL_ENABLE_INSTRUCTIONS": "AVX2", "capability": "AVX2"}  # fmt: skip
     assert run(ATOM_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
