@@ -72,9 +72,10 @@ oneDNN, MKL and torch's own kernels capped at AVX2), llama.cpp built at AVX2 ins
 -march=native (`llamacpp_build.ISA_OPTIONS`), vLLM with the same caps and its `_C_AVX2` kernels,
 OpenVINO with oneDNN capped and the f32 inference precision its CPU plugin takes without
 AVX-512 bfloat16. What no setting reaches is listed beside each engine: OpenVINO's float32
-GEMMs (MLAS) pick their kernels from CPUID themselves (which favours OpenVINO); its 4-bit layers
-run without dynamic quantization, which needs VNNI (AVX-VNNI or AVX512-VNNI, not in AVX2). The cores are still this host's, so the
-figures estimate an AVX2 host's ratios; its own run is the measurement.
+GEMMs (MLAS) pick their kernels from CPUID themselves (which favours OpenVINO); its 4-bit
+layers run without dynamic quantization, which needs VNNI (AVX-VNNI or AVX512-VNNI, not in
+AVX2). The cores are still this host's, so the figures estimate an AVX2 host's ratios; its own
+run is the measurement.
 
     .venv/bin/python benchmarks/vs_peers.py [--peers llama.cpp,vllm,openvino]
         [--precisions f32,bf16,q4] [--batches 1,8,32] [--rounds 1] [--threads 2]
