@@ -109,6 +109,27 @@ def test_silu_and_mul_is_torchs_bit_for_bit(native, dtype, rows, n):
         assert torch.equal(bits(native.silu_and_mul(x, ops.torch_vector_bytes())), bits(expected))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_takes_what_torch_splits_between_threads_at_row_boundaries(native, dtype):
+    """Past GRAIN_SIZE elements torch's silu runs on several threads; where every thread's
+    chunk is whole rows (32 x 1536 on 2 threads: 16 rows each) the C++ kernel is taken and
+    still equal in every bit, where a chunk ends mid-row (25 x 1536) it is not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert ops.torch_splits_whole_rows(32, 1536) and ops.torch_splits_whole_rows(64, 1536)
+        assert not ops.torch_splits_whole_rows(25, 1536) and ops.torch_splits_whole_rows(21, 1536)  # 21: < GRAIN
+        for rows in (25, 32, 64):
+            x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 6).to(dtype)
+            gate, up = x.chunk(2, dim=-1)
+            expected = torch.nn.functional.silu(gate) * up
+            assert torch.equal(bits(ops.silu_and_mul(x)), bits(expected)), rows
+            if native.EXP_LANES and ops.torch_splits_whole_rows(rows, 1536):
+                assert torch.equal(bits(native.silu_and_mul(x, ops.torch_vector_bytes())), bits(expected)), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_silu_and_mul_matches_torch_where_its_two_exps_disagree(native):
     """torch's silu takes a row's whole vector pairs through Sleef's exp and the rest through
     std::exp, which round a few float32 inputs in 1000 differently: put such inputs both in

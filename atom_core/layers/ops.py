@@ -59,7 +59,19 @@ def add_rms_norm(
 
 # Up to this many rows (decode batches) silu_and_mul runs the C++ kernel, where torch's three
 # ops cost more in dispatch than in arithmetic; prefill-sized inputs keep torch's kernels.
-SILU_AND_MUL_NATIVE_ROWS = 16
+SILU_AND_MUL_NATIVE_ROWS = 64
+
+
+def torch_splits_whole_rows(rows: int, width: int) -> bool:
+    """Whether torch's elementwise kernels hand each thread whole rows of a [rows, width]
+    output: at::parallel_for cuts its n elements into min(threads, ceil(n / GRAIN_SIZE))
+    chunks of ceil(n / chunks). A chunk ending mid-row moves that row's vector/scalar
+    boundaries, which a kernel working in whole rows does not mirror."""
+    n, threads = rows * width, torch.get_num_threads()
+    if n < GRAIN_SIZE or threads == 1:
+        return True
+    chunks = min(threads, -(-n // GRAIN_SIZE))
+    return -(-n // chunks) % width == 0
 
 
 @functools.cache
@@ -84,15 +96,16 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] on the last dim -> silu(gate) * up, bit for bit `F.silu(gate) * up`.
 
-    The C++ kernel rounds as torch's silu does on one thread (torch splits a tensor of
-    `GRAIN_SIZE` elements or more between threads mid-row, which moves its exp's vector/scalar
-    boundaries), so it takes smaller ones only.
+    The C++ kernel rounds each row as torch's silu does a whole row; it takes the shapes
+    torch splits between threads at row boundaries only (`torch_splits_whole_rows`: one
+    thread, or a decode batch of 32 x 1536 on two), since a split mid-row moves that row's
+    vector/scalar boundaries in torch's exp.
     """
     ops = _native(x)
     if ops is not None and x.dim() == 2 and x.shape[0] <= SILU_AND_MUL_NATIVE_ROWS and x.stride(1) == 1:
         vector_bytes = torch_vector_bytes()
-        one_thread = x.numel() // 2 < GRAIN_SIZE or torch.get_num_threads() == 1
-        if vector_bytes is not None and one_thread and ops.EXP_LANES:
+        whole_rows = torch_splits_whole_rows(x.shape[0], x.shape[1] // 2)
+        if vector_bytes is not None and whole_rows and ops.EXP_LANES:
             return ops.silu_and_mul(x, vector_bytes)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one fewer [tokens, intermediate] temporary
