@@ -297,7 +297,7 @@ def _env(args: argparse.Namespace) -> int:
     )
     print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    names = ("ATOM_CPU_ISA", "ATOM_CPU_KERNELS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+    names = (ENV_ISA, "ATOM_CPU_KERNELS", *features.variant.caps())
     env = [f"{v}={os.environ[v]}" for v in names if os.environ.get(v)]
     if env:
         print(f"environment:     {' '.join(env)}")

@@ -225,8 +225,8 @@ class ExactTopLogits:
     # bfloat16's unit roundoff (8 significant bits: one rounding moves a value by at most
     # 2^-8 of it), with room for float32 accumulation.
     EPS = 2.0**-8 * 1.01
-    # Atom's own kernel rounds x to int16 and sums in float32: `streaming_error_bound`, about a
-    # hundredth of the bfloat16 bound, so a row recomputes 1 to 3 logits where it did ~80.
+    # Atom's own kernel rounds x to int16 and sums in float32: `streaming_error_bound`, far
+    # tighter than the bfloat16 bound, so a row recomputes only the few logits near its top.
     FLOAT32_EPS = 2.0**-22
 
     def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor], qw: QuantizedWeight):

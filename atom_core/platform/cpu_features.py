@@ -11,8 +11,7 @@ would on a CPU of that level: the kernel variant, and whether oneDNN's packed bf
 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
 (`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
 (`ATEN_CPU_CAPABILITY`) where those are not set, as early as `import atom_core`, before torch
-has chosen. A level above what the CPU
-has is refused. This module imports no torch.
+has chosen. A level above what the CPU has is refused. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -38,6 +37,14 @@ class Variant:
     aten: str
     onednn: str
     mkl: str
+
+    def caps(self) -> dict[str, str]:
+        """The environment variables that hold torch, oneDNN and MKL at this level."""
+        return {
+            "ATEN_CPU_CAPABILITY": self.aten,
+            "ONEDNN_MAX_CPU_ISA": self.onednn,
+            "MKL_ENABLE_INSTRUCTIONS": self.mkl,
+        }
 
 
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -163,6 +170,5 @@ def cap_torch_and_onednn() -> None:
     except ValueError:
         return  # a bad ATOM_CPU_ISA: said by name where the kernels are chosen, not as an import error
     if features.capped:
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", features.variant.onednn)
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", features.variant.aten)
-        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", features.variant.mkl)
+        for name, value in features.variant.caps().items():
+            os.environ.setdefault(name, value)

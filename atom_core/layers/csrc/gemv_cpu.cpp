@@ -188,26 +188,30 @@ template <typename W, typename X, typename T>
 void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
   constexpr bool kWidens = std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, float>;
   // Prompt-sized calls only: at decode sizes (up to a chunk's rows) the tile comes from memory
-  // and two to eight passes over it, and the widened copy's stores and reloads cost more than
-  // the shifts they save (AVX2, 8 rows: 12.7 -> 17.9 ms of a step's GEMMs; 32 rows: level).
+  // for two to eight passes, and the widened copy's stores and reloads cost more than the
+  // shifts they save (docs/performance.md has the figures).
   const bool widen_rows = kWidens && M > CHUNK_ROWS;
   at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(widen_rows ? TILE * K : 0);
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
       const int64_t c1 = std::min(M, c0 + CHUNK_ROWS);
+      // the chunk's passes over tile t, its weights at `tile` (in memory: kStream)
+      auto passes = [&](int64_t t, const auto* tile, auto stream) {
+        using V = std::remove_const_t<std::remove_pointer_t<decltype(tile)>>;
+        for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
+          rows_tile<V, X, T, decltype(stream)::value>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K,
+                                                      K, tile, N, bias, y + m0 * N, t);
+      };
       for (int64_t t = begin; t < end; ++t) {
         const W* wt = w + t * TILE * K;
         if constexpr (kWidens) {
           if (widen_rows && c1 - c0 > ROWS) {
             widen_tile(wt, K, wide.data());
-            for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
-              rows_tile<float, float, T, false>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K,
-                                                wide.data(), N, bias, y + m0 * N, t);
+            passes(t, static_cast<const float*>(wide.data()), std::false_type{});
             continue;
           }
         }
-        for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
-          rows_tile<W, X, T>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K, K, wt, N, bias, y + m0 * N, t);
+        passes(t, wt, std::true_type{});
       }
     }
   });
