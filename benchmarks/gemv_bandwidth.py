@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -33,6 +33,8 @@ from atom_core.layers.quantized_gemm import Int4PackGemm, StreamingGroupGemm
 from atom_core.layers.quantized_weight import quantize_int4
 from atom_core.platform.cpu_features import cpu_features
 from atom_core.platform.memory import resident, weight_arena
+
+T = TypeVar("T")
 
 # SmolLM2's 30 layers: qkv, o, gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
@@ -63,7 +65,7 @@ class CopyBandwidth:
     def __call__(self) -> float:
         return 2 * self.a.nbytes / best_time([lambda: self.b.copy_(self.a)], 3) / 1e9
 
-    def around(self, measure: Callable[[], float]) -> tuple[float, float]:
+    def around(self, measure: Callable[[], T]) -> tuple[T, float]:
         """`measure()` and the mean copy bandwidth just before and after it."""
         before = self()
         value = measure()

@@ -66,6 +66,12 @@ llama.cpp's thread pool): with another process on one of the 2 cores, their batc
 drop tenfold (seen while writing this), while OpenVINO's TBB tasks suffered far less. Each table's last row is Atom's
 tokens/s over the best peer's in that cell (> 1: Atom is faster).
 
+Atom's batch-1 decode is also set against the limit memory puts on it: a decode step reads
+every weight once, so it makes at most (copy bandwidth) / (the weights' bytes) tokens/s; the
+bandwidth is that of a 256 MiB copy (read + write, on huge pages) just before and after each of
+Atom's rounds, the bytes those of the GGUF file's tensors (llama.cpp's file of that precision;
+a tied LM head counted once). The report gives each round's limit and Atom's share of it.
+
 With `--isa avx2` every engine runs as it would on an AVX2-only x86-64 CPU, so an AVX-512 host
 can measure the kind of CPU most users have: Atom under `ATOM_CPU_ISA=avx2` (its AVX2 kernels;
 oneDNN, MKL and torch's own kernels capped at AVX2), llama.cpp built at AVX2 instead of
@@ -106,6 +112,8 @@ import torch
 _REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_REPO / "benchmarks"), str(_REPO / "tests")]
 import peers_setup  # noqa: E402
+from gemv_bandwidth import CopyBandwidth  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
 from llamacpp_build import batched_bench, llama_cpp_commit  # noqa: E402
 from peer_protocol import MARK  # noqa: E402
 from vs_llamacpp import (  # noqa: E402
@@ -334,11 +342,24 @@ class Result:
     speeds: dict[str, Speeds] = field(default_factory=dict)
     setups: dict[str, str] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    weights: Path | None = None  # the GGUF whose bytes a decode step reads (`weight_bytes`)
+    limits: list[tuple[float, float]] = field(default_factory=list)  # per round: Atom batch 1, copy GB/s
 
 
-def run_precision(precision: str, folder: Path, args: argparse.Namespace) -> Result:
-    """Atom and the peers in turns, `--rounds` times; the best of each."""
+def weight_bytes(gguf: Path) -> int:
+    """The bytes of weights one decode step reads, as the GGUF file stores them: every tensor,
+    the token embedding only where it is also the LM head (else one row of it is read)."""
+    tensors = GGUFReader(gguf).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+
+
+def run_precision(precision: str, folder: Path, args: argparse.Namespace, bandwidth: CopyBandwidth | None) -> Result:
+    """Atom and the peers in turns, `--rounds` times; the best of each. With `bandwidth`, the
+    machine's copy bandwidth around each round of Atom's: the limit of its batch-1 decode."""
     result = Result(precision)
+    if bandwidth is not None:
+        result.weights = gguf_files([ATOM_PRECISION[precision]], folder)[ATOM_PRECISION[precision]]
     _say(f"\n=== {precision}: loading Atom ({ATOM_PRECISION[precision]}) === {load_average()}")
     engines = {"Atom": start_atom(folder, ATOM_PRECISION[precision], args)}
     for name, overrides in ATOM_ALSO.get(precision, {}).items():
@@ -361,7 +382,12 @@ def run_precision(precision: str, folder: Path, args: argparse.Namespace) -> Res
         for r in range(1, args.rounds + 1):
             _say(f"[round {r}] {load_average()}")
             for name, (engine, _) in engines.items():
-                _record(result, name, atom_speeds(engine, args), r)
+                if name == "Atom" and bandwidth is not None:
+                    speeds, copy = bandwidth.around(lambda engine=engine: atom_speeds(engine, args))
+                    result.limits.append((speeds.decode[1], copy))
+                else:
+                    speeds = atom_speeds(engine, args)
+                _record(result, name, speeds, r)
             for peer in list(peers):
                 measured = _attempt(peer, precision, result, f"run (round {r})", peer.run)
                 if measured is None:
@@ -451,6 +477,12 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
                 ratios.append(f"{atom / best[0]:.2f}x ({best[1]})" if atom and best else "-")
             print(f"| {name} / best peer | " + " | ".join(ratios) + " |")
         print()
+        if r.weights is not None:
+            nbytes = weight_bytes(r.weights)
+            rounds = "; ".join(f"{copy:.1f} GB/s: limit {copy * 1e9 / nbytes:.1f}, Atom {rate:.1f} "
+                               f"({rate * nbytes / (copy * 1e9):.0%})" for rate, copy in r.limits)  # fmt: skip
+            print(f"- Atom at batch 1 against the limit memory sets (tokens/s = copy bandwidth / the weights' "
+                  f"{nbytes / 1e6:.1f} MB a token, {r.weights.name}), each round: {rounds}")  # fmt: skip
         for engine in engines:
             if engine in r.speeds and engine in r.setups:
                 print(f"- {engine}: {r.setups[engine]}")
@@ -517,7 +549,9 @@ def main() -> None:
     folder = fetch_default_model()
     _say(f"model {folder}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
          f"peers {', '.join(PEER_NAMES[p] for p in args.peers) or 'none'}")  # fmt: skip
-    results = [run_precision(p, folder, args) for p in args.precisions]
+    # a 256 MiB copy (read + write), on huge pages like the weights, around each round of Atom's
+    bandwidth = CopyBandwidth() if 1 in args.batches else None
+    results = [run_precision(p, folder, args, bandwidth) for p in args.precisions]
     print_report(results, args)
 
 
