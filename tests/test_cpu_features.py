@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from atom_core.platform.cpu_features import VARIANTS, detect
+from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, detect, variant
 
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -131,14 +131,13 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
     best = detect(isa="").variants
     if "avx2" not in best:
         pytest.skip("the CPU cannot run AVX2: ATOM_CPU_ISA=avx2 is refused here (tested above)")
+    caps = tuple(variant("avx2").caps())  # the variables a level is held by
     code = (
         "import json, os, atom_core, torch; "
-        "names = ('ONEDNN_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY', 'MKL_ENABLE_INSTRUCTIONS'); "
-        "print(json.dumps({**{n: os.environ.get(n) for n in names}, "
+        f"print(json.dumps({{**{{n: os.environ.get(n) for n in {caps!r}}}, "
         "'capability': torch.backends.cpu.get_cpu_capability()}))"
     )
-    names = ("ATOM_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-    env = {k: v for k, v in os.environ.items() if k not in names}  # as a user starts it
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_ISA, *caps)}  # as a user starts it
     run = lambda **extra: json.loads(  # noqa: E731
         subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                        check=True).stdout.strip().splitlines()[-1])  # fmt: skip
