@@ -6,12 +6,16 @@
 # Child processes (sys.executable) run the same way. Arguments go to Python:
 #   bash scripts/avx2_host.sh -m pytest -q tests/test_linear.py
 #   bash scripts/avx2_host.sh -m atom_core.cli env
-# An AVX2 instruction the code emits where the CPU has none faults here as it would there
-# (SIGILL). QEMU translates every instruction, several times slower than the CPU: this is for
-# checking what runs, never for timing it. The C++ kernels' compiler runs natively.
+# An instruction that CPU lacks (AVX-512, say) faults here (SIGILL) as it would there. QEMU
+# translates every instruction, many times slower than the CPU: this is for checking what runs,
+# never for timing it. The C++ kernels' compiler runs natively.
 # Needs root (CI is) for the mount namespace, and Debian's qemu-user, installed if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python3 ]; then
+    echo "avx2_host.sh: no .venv/bin/python3 here; set up first: bash scripts/setup.sh" >&2
+    exit 1
+fi
 if ! command -v qemu-x86_64 >/dev/null; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends qemu-user >/dev/null
 fi
