@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from atom_core.platform.cpu_features import VARIANT_NAMES
@@ -26,6 +28,24 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f'must be a JSON object such as \'{{"method": "ngram"}}\', got {text!r}')
     return value
+
+
+# One-shot commands answer on the torch path while the C++ kernels build in the background
+# (the first run on a fresh install); a server or benchmark waits for them (atom_core.layers.cpp).
+BACKGROUND_BUILD_COMMANDS = ("generate", "chat")
+
+
+@contextlib.contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """`name=value` in the environment (children inherit it) unless set, as before afterwards."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             "generate": _generate, "fetch": _fetch, "plugins": _plugins, "env": _env, "kernels": _kernels,
             "serve": _serve, "chat": _chat, "bench": _bench, "worker": _worker,
         }  # fmt: skip
+        if args.command in BACKGROUND_BUILD_COMMANDS:
+            from atom_core.layers.cpp import BUILD_ENV
+
+            with _env_default(BUILD_ENV, "background"):
+                return commands[args.command](args)
         return commands[args.command](args)
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
         print(f"atom: error: {e}", file=sys.stderr)
@@ -311,14 +336,16 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from atom_core.layers.cpp import build_all
+    from atom_core.layers.cpp import BuildLock, build_all
     from atom_core.platform.cpu_features import cpu_features
 
     variants = args.variant or [cpu_features().variant.name]
     if "all" in variants:
         variants = list(cpu_features().variants)
     failed = 0
-    for variant, statuses in build_all(variants).items():
+    with BuildLock():  # a background-mode run seeing it held starts no second build
+        built = build_all(variants)
+    for variant, statuses in built.items():
         for name, status in statuses.items():
             print(f"{variant:<12} {name:<26} {status}")
             failed += status != variant

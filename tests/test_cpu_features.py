@@ -150,3 +150,77 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
                       "MKL_ENABLE_INSTRUCTIONS": "AVX2", "capability": "AVX2"}  # fmt: skip
     assert run(ATOM_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     assert run()["MKL_ENABLE_INSTRUCTIONS"] is None  # nothing capped without ATOM_CPU_ISA
+
+
+@pytest.fixture
+def one_declared_kernel(tmp_path, monkeypatch):
+    """A fresh process's view of the kernel cache: one declared kernel (whose build is faked:
+    `cpp_extension.load` returns a stand-in module), nothing loaded yet, an empty build root."""
+    import threading
+    import types
+
+    from torch.utils import cpp_extension
+
+    from atom_core.layers import cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "1")  # also in the suite's kernels-off run
+    source = tmp_path / "k.cpp"
+    source.write_text("int x;\n")
+    builds, spawned = [], []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: builds.append(kw) or types.ModuleType(kw["name"]))
+    # the module's `subprocess` with Popen recording what it would start (`subprocess.run` stays)
+    fake = types.SimpleNamespace(**{**vars(subprocess), "Popen": lambda args, **kw: spawned.append((args, kw))})
+    monkeypatch.setattr(cpp, "subprocess", fake)
+
+    def new_process() -> cpp.CppKernel:
+        kernel = cpp.CppKernel("atom_bg", source)
+        monkeypatch.setattr(cpp, "declared_kernels", lambda: {"atom_bg": kernel})
+        monkeypatch.setattr(cpp, "_declared_built", threading.Event())
+        monkeypatch.setattr(cpp, "_deferred", {})
+        return kernel
+
+    return types.SimpleNamespace(new_process=new_process, builds=builds, spawned=spawned, root=tmp_path / "ext")
+
+
+def test_background_build_answers_on_the_torch_path_and_builds_once_in_another_process(
+    one_declared_kernel, monkeypatch, caplog
+):
+    from atom_core.layers.cpp import BACKGROUND_LOG, BUILD_ENV, BuildLock, cpu_features
+
+    k = one_declared_kernel
+    cpu = cpu_features().variant.name
+    monkeypatch.setenv(BUILD_ENV, "background")
+    kernel = k.new_process()
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        assert kernel.load() is None  # this process: the torch path, no compiler run
+    assert k.builds == []
+    ((args, kw),) = k.spawned
+    assert args[-6:] == [sys.executable, "-m", "atom_core.cli", "kernels", "--variant", cpu]
+    assert kw["env"][BUILD_ENV] == "wait" and kw["start_new_session"] is True
+    assert kernel.status().startswith("torch path (building in the background")
+    assert str(k.root / BACKGROUND_LOG) in caplog.records[0].getMessage()
+
+    # Another process while that build runs (it holds the lock): no second build started.
+    with BuildLock():
+        kernel = k.new_process()
+        assert kernel.load() is None
+    assert len(k.spawned) == 1 and "a build runs in another process" in kernel.status()
+
+    # An explicit variant (a test's, `atom kernels`') is built in the foreground, as in wait mode.
+    assert kernel.load(cpu) is not None and len(k.builds) == 1
+    # Built: the next process loads it (no compiler run here, no build started).
+    kernel = k.new_process()
+    assert kernel.load() is not None and kernel.status() == cpu and len(k.spawned) == 1
+
+
+def test_wait_mode_builds_in_the_process_and_a_bad_mode_is_named(one_declared_kernel, monkeypatch):
+    from atom_core.layers.cpp import BUILD_ENV, build_mode
+
+    k = one_declared_kernel
+    monkeypatch.delenv(BUILD_ENV, raising=False)
+    kernel = k.new_process()
+    assert kernel.load() is not None and len(k.builds) == 1 and k.spawned == []
+    monkeypatch.setenv(BUILD_ENV, "later")
+    with pytest.raises(ValueError, match="ATOM_KERNEL_BUILD='later': expected one of wait, background"):
+        build_mode()

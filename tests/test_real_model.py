@@ -275,6 +275,30 @@ def test_cli_generate_streams_the_answer(capsys):
     assert "The capital of France is Paris." in capsys.readouterr().out
 
 
+def test_cli_generate_on_a_fresh_install_answers_while_the_kernels_build(tmp_path, monkeypatch):
+    """`atom generate` with no kernel built yet answers on the torch path at once: the build
+    is another process's (here a stand-in holds the build lock, so none starts)."""
+    import os
+    import subprocess
+    import sys
+
+    from atom_core.layers.cpp import BuildLock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    env = {k: v for k, v in os.environ.items() if k != "ATOM_KERNEL_BUILD"}
+    with BuildLock():
+        done = subprocess.run(
+            [sys.executable, "-m", "atom_core.cli", "generate", "What is the capital of France?",
+             "--max-tokens", "16", "--max-model-len", "256"],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "The capital of France is Paris." in done.stdout
+    if os.environ.get("ATOM_CPU_KERNELS", "1") != "0":
+        assert "not built yet, the torch path runs: a build runs in another process" in done.stderr
+    assert not list((tmp_path / "ext").glob("*/*.so"))  # nothing compiled by the run itself
+
+
 def test_cli_runs_as_a_module():
     import subprocess
     import sys

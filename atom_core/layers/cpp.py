@@ -14,6 +14,14 @@ keep their torch path. `ATOM_CPU_KERNELS=0` turns every kernel off.
 
 Kernels are declared to the plugin manager (`atom_register_cpp_kernels`), so `atom env`
 and `atom kernels` find a plugin's kernels as well as the core's.
+
+A process's first kernel load builds every declared kernel of the CPU's variant, one per
+core, and waits (a minute or two the first time on 2 cores; `scripts/setup.sh` does it at
+install). With `ATOM_KERNEL_BUILD=background` (what `atom generate` and `atom chat` set), a
+process that finds them unbuilt starts `atom kernels` as a detached, niced process instead
+(one at a time: a lock in the build root), runs the torch path itself, and later processes
+load the kernels: a first question on a fresh install is answered in seconds, not after the
+compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +50,12 @@ INCLUDE_DIR = Path(__file__).parent / "csrc"
 # errno semantics, which keep floor and sqrt from vectorising
 COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi")
 FAILED_FILE = "atom-build-failed.json"
+OK_FILE = "atom-build-ok.json"
 LOG_FILE = "atom-build.log"
+BUILD_ENV = "ATOM_KERNEL_BUILD"  # "wait" (the default) or "background": see the module's docstring
+BUILD_MODES = ("wait", "background")
+BACKGROUND_LOG = "atom-background-build.log"  # in the build root, beside the lock
+BUILD_LOCK = "atom-build.lock"
 
 
 def kernels_enabled() -> bool:
@@ -69,9 +83,13 @@ class CppKernel:
         """The build for `variant_name` (default: this CPU's), or None where kernels are off or it cannot build."""
         if not kernels_enabled():
             return None
+        default = variant_name is None
         variant_name = variant_name or cpu_features().variant.name
         if variant_name not in self._modules and variant_name == cpu_features().variant.name:
             _build_declared_once(variant_name)
+        if default and variant_name in _deferred and variant_name not in self._modules:
+            self._why[variant_name] = _deferred[variant_name]
+            return None
         with self._lock:
             if variant_name not in self._modules:
                 self._modules[variant_name] = self._build(variant_name)
@@ -84,6 +102,8 @@ class CppKernel:
             return "off (ATOM_CPU_KERNELS=0)"
         if self._modules.get(variant_name) is not None:
             return variant_name
+        if variant_name in _deferred and variant_name not in self._modules:
+            return f"torch path ({_deferred[variant_name]})"
         return f"torch path ({self._why.get(variant_name, 'not loaded yet')})"
 
     def module_name(self, variant_name: str) -> str:
@@ -97,12 +117,28 @@ class CppKernel:
         return [*COMMON_CFLAGS, *variant(variant_name).cflags, f"-DATOM_VARIANT={variant_name}", f"-DATOM_OPS_NS={ns}"]
 
     def build_dir(self, variant_name: str) -> Path:
-        from torch.utils import cpp_extension
-
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-        path = Path(root) / self.module_name(variant_name)
+        path = build_root() / self.module_name(variant_name)
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def built(self, variant_name: str) -> bool:
+        """Whether loading `variant_name` needs no compiler run: it built (or failed to build)
+        from these sources, flags, torch and compiler before, or there is no compiler at all."""
+        cxx = compiler()
+        if cxx is None:
+            return True
+        try:
+            build_dir = self.build_dir(variant_name)
+        except OSError:
+            return True  # load() says why, at once
+        key = self._key(variant_name, cxx)
+        for marker in (OK_FILE, FAILED_FILE):
+            try:
+                if json.loads((build_dir / marker).read_text()).get("key") == key:
+                    return True
+            except (OSError, ValueError):
+                pass
+        return False
 
     def _key(self, variant_name: str, cxx: str) -> str:
         """What a failed build depended on: sources, headers, flags, torch and the compiler."""
@@ -160,6 +196,10 @@ class CppKernel:
                 pass
             return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")
         self._why.pop(variant_name, None)
+        try:
+            (build_dir / OK_FILE).write_text(json.dumps({"key": self._key(variant_name, cxx)}))
+        except OSError:  # not remembered: a background-mode process builds it again (a no-op)
+            pass
         return module
 
     def _unavailable(self, variant_name: str, why: str) -> ModuleType | None:
@@ -171,12 +211,29 @@ class CppKernel:
 
 
 _declared_built = threading.Event()
+# variant -> why this process runs the torch path for it: its build runs in another process
+_deferred: dict[str, str] = {}
+
+
+def build_root() -> Path:
+    """Torch's extension cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def build_mode() -> str:
+    mode = os.environ.get(BUILD_ENV) or "wait"
+    if mode not in BUILD_MODES:
+        raise ValueError(f"{BUILD_ENV}={mode!r}: expected one of {', '.join(BUILD_MODES)}")
+    return mode
 
 
 def _build_declared_once(variant_name: str) -> None:
     """At a process's first kernel load, build (or load) every declared kernel of this CPU's
     variant at once, one per core: a first run without `atom kernels` compiles them side by
-    side instead of one after another as the model reaches each."""
+    side instead of one after another as the model reaches each. In background mode, where
+    any is unbuilt, hand the build to another process instead (`build_in_background`)."""
     if _declared_built.is_set():
         return
     _declared_built.set()
@@ -184,7 +241,68 @@ def _build_declared_once(variant_name: str) -> None:
         kernels = list(declared_kernels().values())
     except Exception:  # a plugin that fails to load is reported by the registry, not here
         return
+    background = build_mode() == "background" and os.name == "posix"  # (the lock is fcntl's)
+    if background and not all(k.built(variant_name) for k in kernels):
+        _deferred[variant_name] = build_in_background(variant_name)
+        return
     build_all([variant_name], kernels)
+
+
+class BuildLock:
+    """An exclusive lock on the build root's `BUILD_LOCK` (fcntl): held by `atom kernels` while
+    it builds, so a background-mode process can tell that a build already runs."""
+
+    def __init__(self) -> None:
+        root = build_root()
+        root.mkdir(parents=True, exist_ok=True)
+        self.file = open(root / BUILD_LOCK, "a+")
+
+    def acquire(self, wait: bool = True) -> bool:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock (nor background builds)
+            return True
+
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.file.close()  # releases the lock
+
+    def __enter__(self) -> BuildLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_in_background(variant_name: str) -> str:
+    """Start `atom kernels --variant <variant_name>` detached and at low priority (unless one
+    already runs); returns the status this process's kernels show meanwhile."""
+    log = build_root() / BACKGROUND_LOG
+    probe = BuildLock()
+    try:
+        running = not probe.acquire(wait=False)
+    finally:
+        probe.close()
+    if running:
+        why = f"a build runs in another process (log: {log}); later runs load them"
+    else:
+        nice = shutil.which("nice")  # the compiler yields the cores to the run that started it
+        with open(log, "w") as out:
+            subprocess.Popen(
+                [*([nice, "-n", "10"] if nice else []), sys.executable, "-m", "atom_core.cli", "kernels",
+                 "--variant", variant_name],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, BUILD_ENV: "wait"},
+            )  # fmt: skip
+        why = f"building in the background (log: {log}); later runs load them"
+    logger.warning("atom: C++ kernels (%s) not built yet, the torch path runs: %s", variant_name, why)
+    return why
 
 
 def _first_error(text: str) -> str:
@@ -230,7 +348,7 @@ def summary() -> str:
     import torch
 
     features = cpu_features()
-    kernels = [k for k in declared_kernels().values() if k._modules]
+    kernels = [k for k in declared_kernels().values() if k._modules or k._why]
     parts = ", ".join(f"{k.name.removeprefix('atom_')} {k.status()}" for k in kernels)
     return (
         f"{features.summary()}; torch {torch.backends.cpu.get_cpu_capability()}"
@@ -245,8 +363,12 @@ def summary() -> str:
 
 
 __all__ = [
+    "BuildLock",
     "CppKernel",
     "VARIANT_NAMES",
+    "build_in_background",
+    "build_mode",
+    "build_root",
     "build_all",
     "compiled_op",
     "compiler",
