@@ -26,6 +26,7 @@ import torch
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.layers.linear import Linear
+from atom_core.platform.cpu_features import cpu_features
 
 
 def best_seconds(fn, reps: int) -> float:
@@ -40,7 +41,11 @@ def best_seconds(fn, reps: int) -> float:
 
 def machine_rate(dtype: torch.dtype, reps: int) -> float:
     """FLOP/s of one large square GEMM, the best of `reps` through torch's `mm` and through
-    oneDNN on a packed weight (at float32 the second is the faster here)."""
+    oneDNN on a packed weight (at float32 the second is the faster here). bfloat16 on a CPU
+    without bfloat16 arithmetic (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT): the
+    float32 rate, as every engine there widens the values and runs float32 FMAs."""
+    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
+        return machine_rate(torch.float32, reps)
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
