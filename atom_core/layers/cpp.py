@@ -74,13 +74,18 @@ class CppKernel:
         self.name, self.source = name, source
         self._modules: dict[str, ModuleType | None] = {}
         self._why: dict[str, str] = {}
+        self._default: ModuleType | None = None  # this CPU's build, once loaded
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"CppKernel({self.name!r})"
 
     def load(self, variant_name: str | None = None) -> ModuleType | None:
-        """The build for `variant_name` (default: this CPU's), or None where kernels are off or it cannot build."""
+        """The build for `variant_name` (default: this CPU's), or None where kernels are off or it
+        cannot build. `ATOM_CPU_KERNELS` is read until the default build has loaded: layers
+        call this per op, and the environment read was half of that call's cost."""
+        if variant_name is None and self._default is not None:
+            return self._default
         if not kernels_enabled():
             return None
         default = variant_name is None
@@ -93,6 +98,8 @@ class CppKernel:
         with self._lock:
             if variant_name not in self._modules:
                 self._modules[variant_name] = self._build(variant_name)
+            if default:
+                self._default = self._modules[variant_name]
             return self._modules[variant_name]
 
     def status(self, variant_name: str | None = None) -> str:
