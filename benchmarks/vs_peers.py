@@ -325,6 +325,11 @@ class OpenVino(Worker):
 
 
 PEER_CLASSES: dict[str, type[Peer]] = {"llama.cpp": LlamaCpp, "vllm": Vllm, "openvino": OpenVino}
+# Under --isa, peers whose figures at a precision are not capped: OpenVINO's float32 GEMMs
+# (MLAS) read CPUID themselves and run AVX-512 on an AVX-512 host (its f32 prompt rate there
+# passes this CPU's AVX2 GEMM ceiling, benchmarks/gemm_ceiling.py); the report adds a ratio
+# against the best of the others.
+UNCAPPED = {("openvino", "f32"), ("openvino", "bf16")}
 UNSUPPORTED = {
     ("vllm", "q4"): "no 4-bit model for vLLM's CPU path (its int4 kernels take AWQ/GPTQ-style checkpoints, "
     "none exists offline for SmolLM2; GGUF loading is a separate plugin, not tried)"
@@ -467,15 +472,12 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
         for engine in engines:
             s = r.speeds.get(engine)
             print(f"| {engine} | " + " | ".join(_rate(_cells(s, args), i) for i in range(len(columns))) + " |")
+        uncapped = {PEER_NAMES[k] for k in args.peers if args.isa and (k, r.precision) in UNCAPPED}
+        capped = [e for e in peer_names if e not in uncapped]
         for name in atoms:
-            ratios = []
-            for i in range(len(columns)):
-                atom = _cells(r.speeds.get(name), args)[i]
-                peers = [(_cells(r.speeds.get(e), args)[i], e) for e in peer_names]
-                peers = [(v, e) for v, e in peers if v]
-                best = max(peers, default=None)
-                ratios.append(f"{atom / best[0]:.2f}x ({best[1]})" if atom and best else "-")
-            print(f"| {name} / best peer | " + " | ".join(ratios) + " |")
+            print(f"| {name} / best peer | " + " | ".join(_ratios(r, name, peer_names, args)) + " |")
+            if uncapped:
+                print(f"| {name} / best {args.isa}-capped peer | " + " | ".join(_ratios(r, name, capped, args)) + " |")
         print()
         if r.weights is not None:
             nbytes = weight_bytes(r.weights)
@@ -483,12 +485,25 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
                                f"({rate * nbytes / (copy * 1e9):.0%})" for rate, copy in r.limits)  # fmt: skip
             print(f"- Atom at batch 1 against the limit memory sets (tokens/s = copy bandwidth / the weights' "
                   f"{nbytes / 1e6:.1f} MB a token, {r.weights.name}), each round: {rounds}")  # fmt: skip
+        if uncapped:
+            print(f"- {', '.join(sorted(uncapped))}: its GEMMs are not capped at {args.isa} here (see its line "
+                  f"below), so its figures overstate an {args.isa} CPU's; the capped row leaves it out")  # fmt: skip
         for engine in engines:
             if engine in r.speeds and engine in r.setups:
                 print(f"- {engine}: {r.setups[engine]}")
             if engine in r.failures:
                 print(f"- {engine}: not measured: {r.failures[engine]}")
     print(f"\n{load_average()} ({os.cpu_count()} CPUs; above that, other processes shared them: noisy figures)")
+
+
+def _ratios(r: Result, name: str, peers: list[str], args: argparse.Namespace) -> list[str]:
+    """Atom (`name`) over the best of `peers` in each column, and which peer that is."""
+    ratios = []
+    for i in range(len(args.batches) + 1):
+        atom = _cells(r.speeds.get(name), args)[i]
+        best = max(((v, e) for e in peers if (v := _cells(r.speeds.get(e), args)[i])), default=None)
+        ratios.append(f"{atom / best[0]:.2f}x ({best[1]})" if atom and best else "-")
+    return ratios
 
 
 def _cells(speeds: Speeds | None, args: argparse.Namespace) -> list[float | None]:
