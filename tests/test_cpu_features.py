@@ -214,13 +214,20 @@ def test_background_build_answers_on_the_torch_path_and_builds_once_in_another_p
     assert kernel.load() is not None and kernel.status() == cpu and len(k.spawned) == 1
 
 
-def test_wait_mode_builds_in_the_process_and_a_bad_mode_is_named(one_declared_kernel, monkeypatch):
+def test_wait_mode_builds_in_the_process_and_a_bad_mode_is_named(one_declared_kernel, monkeypatch, caplog):
     from atom_core.layers.cpp import BUILD_ENV, build_mode
 
     k = one_declared_kernel
     monkeypatch.delenv(BUILD_ENV, raising=False)
     kernel = k.new_process()
-    assert kernel.load() is not None and len(k.builds) == 1 and k.spawned == []
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        assert kernel.load() is not None and len(k.builds) == 1 and k.spawned == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "building the C++ kernels atom_bg" in line  # the pause is said, once
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        assert k.new_process().load() is not None and len(k.builds) == 2  # (the faked build runs again)
+    assert caplog.records == []  # built: nothing to say
     monkeypatch.setenv(BUILD_ENV, "later")
     with pytest.raises(ValueError, match="ATOM_KERNEL_BUILD='later': expected one of wait, background"):
         build_mode()

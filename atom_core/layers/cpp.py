@@ -248,10 +248,15 @@ def _build_declared_once(variant_name: str) -> None:
         kernels = list(declared_kernels().values())
     except Exception:  # a plugin that fails to load is reported by the registry, not here
         return
-    background = build_mode() == "background" and os.name == "posix"  # (the lock is fcntl's)
-    if background and not all(k.built(variant_name) for k in kernels):
+    unbuilt = [k.name for k in kernels if not k.built(variant_name)]
+    if unbuilt and build_mode() == "background" and os.name == "posix":  # (the lock is fcntl's)
         _deferred[variant_name] = build_in_background(variant_name)
         return
+    if unbuilt:  # a pause of a minute or more otherwise says nothing
+        logger.warning(
+            "atom: building the C++ kernels %s (%s) once, a minute or two; `atom kernels` builds them ahead",
+            ", ".join(unbuilt), variant_name,
+        )  # fmt: skip
     build_all([variant_name], kernels)
 
 
