@@ -231,3 +231,13 @@ def test_wait_mode_builds_in_the_process_and_a_bad_mode_is_named(one_declared_ke
     monkeypatch.setenv(BUILD_ENV, "later")
     with pytest.raises(ValueError, match="ATOM_KERNEL_BUILD='later': expected one of wait, background"):
         build_mode()
+
+
+def test_the_build_lock_on_an_unwritable_cache_is_no_lock(tmp_path, monkeypatch):
+    from atom_core.layers.cpp import BuildLock
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "ext"))  # under a file: cannot be made
+    with BuildLock() as lock:  # `atom kernels` goes on; each kernel then says why it cannot build
+        assert lock.file is None and lock.acquire(wait=False)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 from atom_core.platform.cpu_features import VARIANT_NAMES, cpu_features, variant
 
@@ -266,13 +267,18 @@ class BuildLock:
 
     def __init__(self) -> None:
         root = build_root()
-        root.mkdir(parents=True, exist_ok=True)
-        self.file = open(root / BUILD_LOCK, "a+")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.file: IO[str] | None = open(root / BUILD_LOCK, "a+")
+        except OSError:  # an unwritable cache: no lock (the builds say why they fail)
+            self.file = None
 
     def acquire(self, wait: bool = True) -> bool:
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock (nor background builds)
+            return True
+        if self.file is None:
             return True
 
         try:
@@ -282,7 +288,8 @@ class BuildLock:
         return True
 
     def close(self) -> None:
-        self.file.close()  # releases the lock
+        if self.file is not None:
+            self.file.close()  # releases the lock
 
     def __enter__(self) -> BuildLock:
         self.acquire()
