@@ -11,6 +11,7 @@ local one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -36,10 +37,16 @@ class RankActor:
         fd, path = tempfile.mkstemp(prefix="atom-rank-", suffix=".json")
         os.close(fd)  # the worker writes its error here, if it has one
         os.environ.update(env, ATOM_WORKER_ERROR_FILE=path)
-        code = run_worker()
-        return (
-            None if code == 0 else (read_error(path) or f"tensor-parallel rank {env['RANK']} exited with code {code}")
-        )
+        try:
+            code = run_worker()
+            return (
+                None
+                if code == 0
+                else (read_error(path) or f"tensor-parallel rank {env['RANK']} exited with code {code}")
+            )
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # read above; one file a rank's run otherwise stays in the temp folder
 
 
 class RayExecutor(DistributedExecutor):
