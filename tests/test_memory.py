@@ -230,3 +230,37 @@ def test_loaded_weights_stream_from_huge_pages_once(tmp_path, monkeypatch):
     kernels = [m.packed_weight for m in engine.runner.model.modules() if isinstance(m, Linear) and not m.is_lm_head]
     assert kernels and all(isinstance(k, StreamingGroupGemm) for k in kernels)
     assert all(inside(t, ranges) for k in kernels for t in (k.qweight, k.scales, k.mins))
+
+
+def test_populate_ranges_cover_a_pool_lowest_blocks_first():
+    """A KV pool [K/V, layers, heads, blocks, block_size, dim] is mapped a round of blocks at a
+    time in every slice, so the blocks a block manager hands out first are mapped first."""
+    shape, itemsize = (2, 3, 2, 10_000, 16, 8), 4  # blocks of 512 bytes: rounds of 4096 blocks
+    block_bytes, blocks, slices = 16 * 8 * itemsize, 10_000, 2 * 3 * 2
+    ranges = memory.populate_ranges(shape, itemsize, block_dim=3)
+    nbytes = slices * blocks * block_bytes
+    covered = bytearray(nbytes // PAGE)
+    for offset, length in ranges:
+        assert offset % PAGE == 0 and 0 < length <= memory.POPULATE_CHUNK and offset + length <= nbytes
+        first, last = offset // PAGE, -(-(offset + length) // PAGE)
+        covered[first:last] = b"\1" * (last - first)
+    assert all(covered)
+    # the round of each range (the blocks it starts in, within its slice): never decreasing,
+    # and every slice has its share of a round before the next round starts
+    rounds = [(offset % (blocks * block_bytes)) // block_bytes // 4096 for offset, _ in ranges]
+    assert rounds == sorted(rounds) and set(rounds) == {0, 1, 2}
+    assert rounds.count(0) == slices and {offset // (blocks * block_bytes) for offset, _ in ranges[:slices]} == set(
+        range(slices)
+    )
+    # without a block dimension: end to end, as before
+    plain = memory.populate_ranges(shape, itemsize)
+    assert plain[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(plain, plain[1:]))
+    assert sum(n for _, n in plain) == nbytes
+
+
+@linux_only
+def test_a_pool_with_a_block_dimension_is_mapped_whole():
+    t = empty_resident((2, 3, 2, 5000, 16, 8), torch.float32, "cpu", wait=True, block_dim=3)
+    assert resident_fraction(t.data_ptr(), t.numel() * t.element_size()) == 1.0
+    t.fill_(2.0)
+    assert t.sum().item() == 2.0 * t.numel()

@@ -54,7 +54,7 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
             self.block_size,
             self.head_dim,
         )
-        self.kv_cache = empty_resident(shape, self.dtype, self.device)
+        self.kv_cache = empty_resident(shape, self.dtype, self.device, block_dim=3)
         self.kv_cache[:, :, :, self.null_block].zero_()
         return {"kv_cache": self.kv_cache}
 

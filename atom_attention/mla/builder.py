@@ -47,7 +47,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
     def allocate_kv_cache_tensors(self, num_kv_heads, num_draft_layers):
         self.null_block = self.plan.num_blocks
         shape = (len(self.layers) + num_draft_layers, self.null_block + 1, self.block_size, self.latent_dim)
-        self.kv_cache = empty_resident(shape, self.dtype, self.device)
+        self.kv_cache = empty_resident(shape, self.dtype, self.device, block_dim=1)
         self.kv_cache[:, self.null_block].zero_()
         return {"mla_kv_cache": self.kv_cache}
 

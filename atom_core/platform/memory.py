@@ -33,6 +33,7 @@ import torch
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it and pages fault lazily
 HUGE_PAGE = 2 << 20
+PAGE = 4096  # the base page: what madvise's ranges align to
 
 
 @functools.cache
@@ -49,11 +50,19 @@ def _madvise():
 
 
 def empty_resident(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, wait: bool = False
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    wait: bool = False,
+    block_dim: int | None = None,
 ) -> torch.Tensor:
     """An uninitialised tensor whose pages are being mapped in the background (CPU, Linux).
 
-    `wait` maps them before returning. Elsewhere, plain `torch.empty`.
+    `wait` maps them before returning. Elsewhere, plain `torch.empty`. `block_dim`: the
+    dimension that numbers a KV pool's blocks; its pages are then mapped lowest blocks first,
+    in every slice before that dimension (each layer's K and V, each head) at once, the order
+    a block manager hands blocks out: the first requests write pages already mapped, where
+    in address order they would wait for the last layers' (`populate_ranges`).
     """
     device = torch.device(device)
     madvise = _madvise()
@@ -65,13 +74,15 @@ def empty_resident(
     if nbytes:
         stop = threading.Event()
 
+        ranges = populate_ranges(shape, dtype.itemsize, block_dim)
+
         def populate(keep_alive: torch.Tensor = raw) -> None:  # the range stays mapped until done
             if not wait:
                 _idle_priority()
-            for offset in range(0, nbytes, POPULATE_CHUNK):
+            for offset, length in ranges:
                 if stop.is_set():
                     return
-                madvise(address + offset, min(POPULATE_CHUNK, nbytes - offset), MADV_POPULATE_WRITE)
+                madvise(address + offset, length, MADV_POPULATE_WRITE)
 
         if wait:
             populate()
@@ -80,6 +91,31 @@ def empty_resident(
             _populating.append((thread, stop))
             thread.start()
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def populate_ranges(shape: tuple[int, ...], itemsize: int, block_dim: int | None = None) -> list[tuple[int, int]]:
+    """(offset, bytes) of the populate calls for a tensor of `shape`, in order, none over
+    POPULATE_CHUNK: end to end, or with `block_dim` by rounds of blocks (a huge page's worth
+    of each slice a round, every slice's share of a round before the next round), each
+    range widened to whole 4 KiB pages (madvise takes page-aligned ranges; a page two
+    ranges share is mapped by the first)."""
+    nbytes = math.prod(shape) * itemsize
+    if block_dim is None or nbytes == 0:
+        return [(o, min(POPULATE_CHUNK, nbytes - o)) for o in range(0, nbytes, POPULATE_CHUNK)]
+    slices, blocks = math.prod(shape[:block_dim]), shape[block_dim]
+    block_bytes = math.prod(shape[block_dim + 1 :]) * itemsize
+    per_round = max(1, min(HUGE_PAGE, POPULATE_CHUNK) // max(1, block_bytes))
+    ranges = []
+    for b0 in range(0, blocks, per_round):
+        b1 = min(blocks, b0 + per_round)
+        for i in range(slices):
+            start = i * blocks * block_bytes + b0 * block_bytes
+            end = i * blocks * block_bytes + b1 * block_bytes
+            start -= start % PAGE
+            end = min(nbytes, -(-end // PAGE) * PAGE)
+            for o in range(start, end, POPULATE_CHUNK):  # (a block of more than a chunk)
+                ranges.append((o, min(POPULATE_CHUNK, end - o)))
+    return ranges
 
 
 def _idle_priority() -> None:
