@@ -76,6 +76,7 @@ class CppKernel:
         self._modules: dict[str, ModuleType | None] = {}
         self._why: dict[str, str] = {}
         self._default: ModuleType | None = None  # this CPU's build, once loaded
+        self._keys: dict[tuple[str, str], str] = {}  # (variant, compiler) -> `_key`, once a process
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -110,8 +111,6 @@ class CppKernel:
             return "off (ATOM_CPU_KERNELS=0)"
         if self._modules.get(variant_name) is not None:
             return variant_name
-        if variant_name in _deferred and variant_name not in self._modules:
-            return f"torch path ({_deferred[variant_name]})"
         return f"torch path ({self._why.get(variant_name, 'not loaded yet')})"
 
     def module_name(self, variant_name: str) -> str:
@@ -140,16 +139,13 @@ class CppKernel:
         except OSError:
             return True  # load() says why, at once
         key = self._key(variant_name, cxx)
-        for marker in (OK_FILE, FAILED_FILE):
-            try:
-                if json.loads((build_dir / marker).read_text()).get("key") == key:
-                    return True
-            except (OSError, ValueError):
-                pass
-        return False
+        return any(_marker_key(build_dir / marker) == key for marker in (OK_FILE, FAILED_FILE))
 
     def _key(self, variant_name: str, cxx: str) -> str:
-        """What a failed build depended on: sources, headers, flags, torch and the compiler."""
+        """What a build depended on: sources, headers, flags, torch and the compiler (computed
+        once a process: it runs the compiler, and a first load asks for it up to three times)."""
+        if (variant_name, cxx) in self._keys:
+            return self._keys[variant_name, cxx]
         import torch
 
         h = hashlib.sha1()
@@ -161,7 +157,8 @@ class CppKernel:
             h.update(subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout)
         except (OSError, subprocess.SubprocessError):
             pass
-        return h.hexdigest()
+        key = self._keys[variant_name, cxx] = h.hexdigest()
+        return key
 
     def _build(self, variant_name: str) -> ModuleType | None:
         cxx = compiler()
@@ -204,10 +201,12 @@ class CppKernel:
                 pass
             return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")
         self._why.pop(variant_name, None)
-        try:
-            (build_dir / OK_FILE).write_text(json.dumps({"key": self._key(variant_name, cxx)}))
-        except OSError:  # not remembered: a background-mode process builds it again (a no-op)
-            pass
+        key = self._key(variant_name, cxx)
+        if _marker_key(build_dir / OK_FILE) != key:  # (a cached build's marker is already there)
+            try:
+                (build_dir / OK_FILE).write_text(json.dumps({"key": key}))
+            except OSError:  # not remembered: a background-mode process builds it again (a no-op)
+                pass
         return module
 
     def _unavailable(self, variant_name: str, why: str) -> ModuleType | None:
@@ -215,6 +214,14 @@ class CppKernel:
         logger.warning(
             "atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why
         )
+        return None
+
+
+def _marker_key(path: Path) -> str | None:
+    """The key a build marker (`OK_FILE`, `FAILED_FILE`) records, if it is there and readable."""
+    try:
+        return json.loads(path.read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
         return None
 
 

@@ -104,15 +104,15 @@ def populate_ranges(shape: tuple[int, ...], itemsize: int, block_dim: int | None
         return [(o, min(POPULATE_CHUNK, nbytes - o)) for o in range(0, nbytes, POPULATE_CHUNK)]
     slices, blocks = math.prod(shape[:block_dim]), shape[block_dim]
     block_bytes = math.prod(shape[block_dim + 1 :]) * itemsize
-    per_round = max(1, min(HUGE_PAGE, POPULATE_CHUNK) // max(1, block_bytes))
+    per_round = max(1, min(HUGE_PAGE, POPULATE_CHUNK) // block_bytes)  # (nbytes > 0: block_bytes too)
     ranges = []
     for b0 in range(0, blocks, per_round):
         b1 = min(blocks, b0 + per_round)
         for i in range(slices):
-            start = i * blocks * block_bytes + b0 * block_bytes
-            end = i * blocks * block_bytes + b1 * block_bytes
+            base = i * blocks * block_bytes
+            start = base + b0 * block_bytes
             start -= start % PAGE
-            end = min(nbytes, -(-end // PAGE) * PAGE)
+            end = min(nbytes, -(-(base + b1 * block_bytes) // PAGE) * PAGE)
             for o in range(start, end, POPULATE_CHUNK):  # (a block of more than a chunk)
                 ranges.append((o, min(POPULATE_CHUNK, end - o)))
     return ranges
