@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from atom_core.platform.cpu_features import VARIANT_NAMES
+from atom_core.serve.server import SERVE_DEFAULTS
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -128,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* and /tokenize")
-    serve.add_argument("--health-timeout", type=float, default=5.0, help="seconds /health waits for the engine")
+    serve.add_argument(
+        "--health-timeout", type=float, default=5.0,
+        help="/health answers 503 once an engine core has been silent this long (it sends a heartbeat every 0.5 s)",
+    )  # fmt: skip
     serve.add_argument(
         "--core-threads", type=int, default=None,
         help="torch threads of each engine core (default: this machine's cores / --data-parallel-size)",
     )  # fmt: skip
-    add_config_flags(serve)
+    add_config_flags(serve, SERVE_DEFAULTS)
 
     talk = sub.add_parser("chat", help="a streamed chat on the terminal, with a local model or a server (--url)")
     talk.add_argument("model", nargs="?", default=None, help="HF model folder or .gguf file (default: SmolLM2)")
@@ -183,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Every `Config` field of a plain type as a kebab-case flag, its default in --help."""
+def add_config_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """Every `Config` field of a plain type as a kebab-case flag, its default in --help
+    (`defaults`: a command's own, over `Config`'s)."""
     import attrs
 
     from atom_core.config import Config
@@ -195,6 +200,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default: Any = field.default
         if hasattr(default, "factory"):  # attrs.Factory
             default = default.factory()
+        default = (defaults or {}).get(field.name, default)
         flag = "--" + field.name.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default: {default})")

@@ -18,6 +18,8 @@ class RequestOutput:
     # prompt's (None for its first token) with the request's first tokens.
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With the first tokens: seconds from its arrival to its first step (vLLM's queue time).
+    queue_time: float | None = None
 
     @classmethod
     def of(cls, seq: Any, new_tokens: list[int]) -> RequestOutput:
@@ -33,5 +35,10 @@ class RequestOutput:
             logprobs=None if params.logprobs is None else seq.logprobs[start : start + len(new_tokens)],
             prompt_logprobs=(
                 seq.prompt_logprobs if params.prompt_logprobs is not None and new_tokens and start == 0 else None
+            ),
+            queue_time=(
+                seq.first_scheduled_time - seq.arrive_time
+                if new_tokens and start == 0 and seq.first_scheduled_time
+                else None
             ),
         )

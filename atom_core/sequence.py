@@ -115,6 +115,7 @@ class Sequence:
         self.has_per_req_cache = has_per_req_cache
         self.per_req_cache_group = -1
         self.arrive_time = 0.0
+        self.first_scheduled_time = 0.0  # its first step (the end of its time in the queue)
         self.first_token_time = 0.0
         self.leave_time = 0.0
         self.finish_reason: FinishReason | None = None

@@ -30,11 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str, env: dict[str, str] | None = None):
+def start_server(*flags: str, env: dict[str, str] | None = None, log=None):
+    """`log`: a file for the server's output (else a pipe, read if it fails to start)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "atom_core.cli", "serve", "--port", str(port), "--max-model-len", "1024", *flags],
-        stdout=subprocess.PIPE,
+        stdout=subprocess.PIPE if log is None else log,
         stderr=subprocess.STDOUT,
         text=True,
         env=None if env is None else {**os.environ, **env},
@@ -43,7 +44,7 @@ def start_server(*flags: str, env: dict[str, str] | None = None):
     deadline = time.time() + 600
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"atom serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+            pytest.fail(f"atom serve exited with {proc.returncode}:\n{proc.stdout.read() if log is None else ''}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 break
@@ -179,6 +180,8 @@ def test_a_repeated_prompt_reports_cached_tokens(client, model_name):
         ({"prompt": "x", "best_of": 2}, 400, "best_of is not supported"),
         ({"prompt": "x", "stop": 3}, 400, "stop must be a string or a list of strings"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools are not supported"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options is only allowed with stream"),
+        ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output must be bool"),
     ],
 )
 def test_bad_bodies_get_openai_errors_and_the_server_goes_on(server, body, status, says):
@@ -189,6 +192,55 @@ def test_bad_bodies_get_openai_errors_and_the_server_goes_on(server, body, statu
     assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
     ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "frobnicate": 1}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_sampling_error_names_its_field_as_param(server):
+    for field, value in (("temperature", -1), ("top_p", 2), ("stop", [""])):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "says"),
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800 hi"}', "prompt is not text the tokenizer can read"),
+        ("/v1/completions", b"[" * 100000, "nested too deeply"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt is not text the tokenizer can read"),
+        ("/detokenize", b'{"tokens": [-1]}', "tokens token -1 is outside the vocabulary"),
+        ("/detokenize", b'{"tokens": [99999999]}', "outside the vocabulary"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+            "needs logprobs",
+        ),
+    ],
+)
+def test_bodies_the_tokenizer_or_parser_cannot_take_are_400s(server, path, content, says):
+    r = httpx.post(f"{server}{path}", content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_a_wrong_method_is_a_client_error_and_version_answers(server):
+    r = httpx.get(f"{server}/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    from importlib.metadata import version
+
+    assert httpx.get(f"{server}/version", timeout=10).json() == {"version": version("atom-engine")}
+
+
+def test_messages_without_content_render_as_empty_text(client, model_name):
+    """An assistant turn that only called tools has `content: null` (OpenAI's own history)."""
+    messages = [
+        {"role": "user", "content": "What is the weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+        ]},
+        {"role": "user"},
+        {"role": "user", "content": "Thanks."},
+    ]  # fmt: skip
+    r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
 
 
 def test_malformed_json_is_a_400_not_a_422(server):
@@ -217,6 +269,58 @@ def test_a_client_that_leaves_mid_stream_does_not_stop_the_others(server, client
     assert idle == [0.0, 0.0]
 
 
+def test_a_stream_shorter_than_its_stop_string_is_sent_once(client, model_name, offline):
+    """While the text is shorter than the longest stop string nothing may go out twice."""
+    stop = "\nObservation: this never comes"
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]["text"]
+    assert len(want) < len(stop)
+    for kind in ("completion", "chat"):
+        if kind == "completion":
+            chunks = client.completions.create(
+                model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop], stream=True
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert text == want
+        else:
+            whole = client.chat.completions.create(
+                model=model_name, messages=QUESTION, max_tokens=6, temperature=0, stop=[stop]
+            )
+            chunks = client.chat.completions.create(
+                model=model_name, messages=QUESTION, max_tokens=6, temperature=0, stop=[stop], stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == whole.choices[0].message.content
+
+
+def test_text_stream_hands_out_each_character_once_whatever_the_stop_strings(offline):
+    from atom_core.serve.text_stream import TextStream
+
+    ids = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]["token_ids"]
+    whole = offline.tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in ([], ["zz"], ["\nObservation: a stop string longer than the first tokens' text"]):
+        stream = TextStream(offline.tokenizer, stop)
+        pieces = [stream.add([t]) for t in ids[:-1]] + [stream.add([ids[-1]], True, "max_tokens")]
+        assert "".join(pieces) == whole == stream.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client, model_name, offline):
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]["text"]
+    stop = want.split()[1]
+    kept = offline.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=16, stop_strings=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]  # fmt: skip
+    assert kept["text"] == want[: want.find(stop) + len(stop)] and kept["stop_reason"] == stop
+    extra = {"include_stop_str_in_output": True}
+    whole = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], extra_body=extra
+    )
+    chunks = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True, extra_body=extra
+    )
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices) == kept["text"]
+
+
 def metric_values(server) -> dict[str, float]:
     text = httpx.get(f"{server}/metrics", timeout=10).text
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
@@ -234,7 +338,13 @@ def test_metrics_count_requests_and_tokens(server, client, model_name):
     assert grew('atom:request_success_total{engine="0",finished_reason="length"}') == 1
     assert grew('atom:prompt_tokens_total{engine="0"}') == grew('atom:prefix_cache_queries_total{engine="0"}') > 0
     assert grew('atom:time_to_first_token_seconds_count{engine="0"}') == 1
+    assert grew('atom:request_queue_time_seconds_count{engine="0"}') == 1
+    # the queue ends at the first step, the first token comes after that step
+    queued = grew('atom:request_queue_time_seconds_sum{engine="0"}')
+    assert 0 <= queued < grew('atom:time_to_first_token_seconds_sum{engine="0"}')
     assert after['atom:num_requests_waiting{engine="0"}'] == 0
+    # every series is there from the start (at zero until it counts), as vLLM exports them
+    assert 'atom:request_success_total{engine="0",finished_reason="abort"}' in after
 
 
 def test_tokenize_and_detokenize(server, offline):
@@ -285,6 +395,18 @@ def test_logprobs_are_the_engines_in_openai_shapes(client, model_name, offline):
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     chosen = [entry[t] for t, entry in zip(want["token_ids"], want["logprobs"])]
+    # a sampled token outside the top ones is listed with them (vLLM's logprobs + 1 entries)
+    hot = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=3, logprobs=1)
+    hot_lp = hot.choices[0].logprobs
+    assert all(
+        tok in top and top[tok] == lp_
+        for tok, top, lp_ in zip(hot_lp.tokens, hot_lp.top_logprobs, hot_lp.token_logprobs)
+    )
+    assert any(len(top) == 2 for top in hot_lp.top_logprobs)  # temperature 2 leaves the top one somewhere
+    zero = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+    assert [list(top) for top in zero.choices[0].logprobs.top_logprobs] == [
+        [t] for t in zero.choices[0].logprobs.tokens
+    ]
     assert lp.token_logprobs == pytest.approx(chosen, abs=1e-5)
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs[0]) == 2
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
@@ -321,12 +443,15 @@ def test_echo_scores_the_prompt_as_the_engine_does(client, model_name, offline):
 
 def test_a_client_that_leaves_a_whole_response_aborts_it(server, model_name):
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    aborted = 'atom:request_success_total{engine="0",finished_reason="abort"}'
+    before = metric_values(server)[aborted]
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.5)
     deadline = time.time() + 3
     while metric_values(server)['atom:num_requests_running{engine="0"}'] and time.time() < deadline:
         time.sleep(0.2)
     assert metric_values(server)['atom:num_requests_running{engine="0"}'] == 0  # 1000 tokens would take longer
+    assert metric_values(server)[aborted] == before + 1
 
 
 def test_atom_chat_answers_on_a_pipe_with_history(server):
@@ -607,26 +732,70 @@ def test_lm_eval_loglikelihoods_and_generations_equal_the_engines(server, model_
 # -- faults, cut streams and hostile frames ----------------------------------------------
 
 
-def test_an_injected_forward_pass_fault_is_a_500_and_the_server_goes_on():
-    fault_seed = 66613  # tests/fault_plugin.py's: a step holding a request with this seed raises
+@pytest.fixture(scope="module")
+def faulty_server(tmp_path_factory):
+    """A server on tests/fault_plugin.py's sampler, /health failing a core silent for 1 s; its
+    output in a file (`url, log path`)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    proc, url = start_server(
-        "--sampler", "faulty",
-        env={"ATOM_PLUGINS": "fault_plugin", "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
-    )  # fmt: skip
-    try:
-        body = {"prompt": PROMPT, "max_tokens": 4, "seed": fault_seed}
-        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
-        events = sse_events(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60))
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
-        ok = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "seed": 1}, timeout=60)
-        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        values = metric_values(url)
-        assert values['atom:num_requests_running{engine="0"}'] == 0
-    finally:
-        stop_server(proc)
+    log_path = tmp_path_factory.mktemp("faulty") / "server.log"
+    with open(log_path, "w") as log:
+        proc, url = start_server(
+            "--sampler", "faulty", "--health-timeout", "1",
+            env={"ATOM_PLUGINS": "fault_plugin", "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
+            log=log,
+        )  # fmt: skip
+    yield url, log_path
+    stop_server(proc)
+
+
+def test_health_stays_up_through_a_step_longer_than_its_timeout(faulty_server):
+    """A long step (a long prompt's) is not a dead core: the core's heartbeat thread speaks
+    through it. vLLM's /health reports the engine's state without waiting for a step."""
+    import threading
+
+    from fault_plugin import SLOW_SECONDS, SLOW_SEED
+
+    url, _ = faulty_server
+    body = {"prompt": PROMPT, "max_tokens": 1, "seed": SLOW_SEED}
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+    start = time.time()
+    worker.start()
+    codes = []
+    while worker.is_alive():
+        codes.append(httpx.get(f"{url}/health", timeout=10).status_code)
+        time.sleep(0.2)
+    worker.join()
+    assert time.time() - start >= SLOW_SECONDS and done[0].status_code == 200
+    assert len(codes) > 5 and set(codes) == {200}
+
+
+def test_a_cut_whole_response_leaves_no_traceback(faulty_server):
+    url, log_path = faulty_server
+    logged = len(log_path.read_text())
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+    deadline = time.time() + 5
+    while metric_values(url)['atom:num_requests_running{engine="0"}'] and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric_values(url)['atom:num_requests_running{engine="0"}'] == 0
+    assert "Traceback" not in log_path.read_text()[logged:]
+
+
+def test_an_injected_forward_pass_fault_is_a_500_and_the_server_goes_on(faulty_server):
+    fault_seed = 66613  # tests/fault_plugin.py's: a step holding a request with this seed raises
+    url, _ = faulty_server
+    body = {"prompt": PROMPT, "max_tokens": 4, "seed": fault_seed}
+    failed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    events = sse_events(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "seed": 1}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    values = metric_values(url)
+    assert values['atom:num_requests_running{engine="0"}'] == 0
 
 
 def test_64_streams_with_16_cut_leave_the_pool_whole(server, model_name, offline):

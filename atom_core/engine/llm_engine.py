@@ -45,6 +45,7 @@ class LLMEngine:
         )
         self.timings = core.timings
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
+        self._keeps_stop: set[int] = set()  # requests whose text keeps its stop string
 
     # -- requests ----------------------------------------------------------------------
 
@@ -67,7 +68,13 @@ class LLMEngine:
         """Queue one prompt; returns its request id. Errors leave nothing queued."""
         params = self.core.check_params(sampling_params or SamplingParams())
         ids = self._token_ids(prompt)
-        return self.core.add_checked(ids, params, stream_callback, self.core.grammar(params), prompt)
+        return self._add(ids, params, stream_callback, self.core.grammar(params), prompt)
+
+    def _add(self, ids: list[int], params: SamplingParams, callback: Any, grammar: Any, prompt: Any) -> int:
+        rid = self.core.add_checked(ids, params, callback, grammar, prompt)
+        if params.include_stop_str_in_output:
+            self._keeps_stop.add(rid)
+        return rid
 
     def abort(self, request_id: int) -> bool:
         """Stop a request and free its blocks; False if it is not queued or running."""
@@ -89,9 +96,11 @@ class LLMEngine:
 
     def _with_text(self, result: dict[str, Any]) -> dict[str, Any]:
         text = None
+        keep_stop = result["request_id"] in self._keeps_stop
+        self._keeps_stop.discard(result["request_id"])
         if self.tokenizer is not None:
             text = self.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
-            text = text_before_stop(text, result["finish_reason"], result["stop_reason"])
+            text = text_before_stop(text, result["finish_reason"], result["stop_reason"], keep_stop)
         return {**result, "text": text}
 
     def get_spec_stats(self) -> dict[str, Any]:
@@ -135,7 +144,7 @@ class LLMEngine:
             params = [self.core.check_params(sampling_params or SamplingParams())] * len(prompts)
         token_ids = [self._token_ids(p) for p in prompts]  # every prompt checked before any is queued
         grammars = [self.core.grammar(sp) for sp in params]
-        ids = [self.core.add_checked(t, sp, None, g, p) for t, p, sp, g in zip(token_ids, prompts, params, grammars)]
+        ids = [self._add(t, sp, None, g, p) for t, p, sp, g in zip(token_ids, prompts, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[int], use_tqdm: bool) -> list[dict[str, Any]]:

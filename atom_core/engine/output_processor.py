@@ -24,11 +24,14 @@ from atom_core.sequence import FinishReason, Sequence
 logger = logging.getLogger("atom")
 
 
-def text_before_stop(text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
-    """A finished request's text up to its stop string (as vLLM returns it), else as it is."""
+def text_before_stop(
+    text: str, finish_reason: str | None, stop_reason: int | str | None, include_stop: bool = False
+) -> str:
+    """A finished request's text up to its stop string (as vLLM returns it; through it with
+    `include_stop`, vLLM's `include_stop_str_in_output`), else as it is."""
     if finish_reason == FinishReason.STOP.value and isinstance(stop_reason, str):
         cut = text.find(stop_reason)
-        return text[:cut] if cut >= 0 else text
+        return text if cut < 0 else text[: cut + len(stop_reason) * include_stop]
     return text
 
 

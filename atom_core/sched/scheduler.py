@@ -198,6 +198,10 @@ class Scheduler(AtomSchedulerCounters):
             num_tokens = [num_tokens[i] for i in order]
             firsts = [firsts[i] for i in order]
         seqs = {s.id: s for s in rows}
+        now = time.perf_counter()
+        for s in rows[num_decode:]:
+            if not s.first_scheduled_time:
+                s.first_scheduled_time = now
         spec = {s.id: list(s.spec_token_ids) for s in rows[:num_decode] if s.spec_token_ids} if self.use_spec else {}
         total = sum(num_tokens)
         decode_tokens = sum(num_tokens[:num_decode]) if num_prefill else total

@@ -78,6 +78,7 @@ class EngineClient:
         self._rank_of: dict[str, int] = {}
         self._outstanding = [0] * self.size
         self._pongs: dict[int, asyncio.Future] = {}
+        self._heard: dict[int, float] = {}  # rank -> loop time of its last message (heartbeats included)
         self._nonce = itertools.count()
         self._processes: list[Any] = []
         self._reader: asyncio.Task | None = None
@@ -139,6 +140,7 @@ class EngineClient:
                 message = self._decode(await self._from_core.recv())
                 if isinstance(message, Ready):
                     ready[message.rank] = message
+                    self._heard[message.rank] = loop.time()
         self.ready = min(ready.values(), key=lambda r: r.num_kv_blocks)
         self._reader = asyncio.create_task(self._read())
         return self.ready
@@ -178,6 +180,9 @@ class EngineClient:
                         return
                 continue
             message = self._decode(await self._from_core.recv())
+            sender = getattr(message, "rank", None)
+            if sender is not None:
+                self._heard[sender] = asyncio.get_running_loop().time()
             if isinstance(message, StepOutput):
                 if self.on_stats is not None:
                     self.on_stats(message.stats, message.rank)
@@ -201,6 +206,19 @@ class EngineClient:
         for future in self._pongs.values():
             if not future.done():
                 future.set_exception(EngineDead(why))
+
+    def check_health(self, timeout: float) -> None:
+        """EngineDead if a rank has died, or has sent nothing (not even a heartbeat, which its
+        process sends through the longest step) for `timeout` seconds."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        now = asyncio.get_running_loop().time()
+        for rank, process in enumerate(self._processes):
+            if not process.is_alive():
+                raise EngineDead(f"engine core {rank} exited with code {process.exitcode}")
+            silent = now - self._heard.get(rank, now)
+            if silent > timeout:
+                raise EngineDead(f"engine core {rank} has sent nothing for {silent:.1f} s (limit {timeout} s)")
 
     async def ping(self, timeout: float) -> list[Pong]:
         """Every rank's answer; EngineDead if one is gone or silent past `timeout`."""

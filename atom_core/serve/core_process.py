@@ -8,18 +8,23 @@ step's requests (finish reason "error"); a frame that does not decode is logged 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 import msgspec
 import zmq
 
 from atom_core.serve.protocol import (
+    HEARTBEAT_SECONDS,
     MAX_FRAME_BYTES,
     AbortRequest,
     AddRequest,
     Delta,
+    Heartbeat,
     Ping,
     Pong,
     Ready,
@@ -50,16 +55,36 @@ def run_core(
     outbox = context.socket(zmq.PUSH)
     outbox.connect(out_address)
     core = None
+    stop = threading.Event()
     try:
         core = EngineCoreLoop(model, config, rank)
         outbox.send(encoder.encode(core.ready()))
+        beat = threading.Thread(target=heartbeat, args=(context, out_address, core, stop), daemon=True)
+        beat.start()
         core.serve(inbox, outbox)
     finally:
+        stop.set()
         if core is not None:
             core.core.close()  # its tensor-parallel ranks, if any
         outbox.close(linger=1000)
         inbox.close(linger=0)
         context.term()
+
+
+def heartbeat(context: zmq.Context, out_address: str, core: EngineCoreLoop, stop: threading.Event) -> None:
+    """Say the process is alive every HEARTBEAT_SECONDS, from a socket of this thread's own:
+    a step of many seconds (a long prompt) runs in torch's kernels, which let this thread
+    run, so `/health` stays up while the step goes on, as vLLM's does."""
+    sock = context.socket(zmq.PUSH)
+    sock.connect(out_address)
+    try:
+        while not stop.wait(HEARTBEAT_SECONDS):
+            started = core.step_started
+            beat = Heartbeat(core.rank, time.monotonic() - started if started else 0.0)
+            with contextlib.suppress(zmq.Again):  # an API process that reads nothing: skip, never block
+                sock.send(encoder.encode(beat), zmq.NOBLOCK)
+    finally:
+        sock.close(linger=0)
 
 
 class EngineCoreLoop:
@@ -74,6 +99,7 @@ class EngineCoreLoop:
         self.ids: dict[int, str] = {}  # engine request id -> the server's id
         self.rids: dict[str, int] = {}
         self.pending: list[Delta] = []
+        self.step_started = 0.0  # time.monotonic() when the step under way began; 0 between steps
 
     def ready(self) -> Ready:
         core = self.core
@@ -98,11 +124,13 @@ class EngineCoreLoop:
                     outbox.send(encoder.encode(reply))
             stepped = core.has_unfinished_requests()
             if stepped:
+                self.step_started = time.monotonic()
                 try:
                     results = core.step()
                 except Exception:  # the step's requests end with "error"; the others go on
                     logger.exception("atom core: a step failed")
                     results = []
+                self.step_started = 0.0
                 self.finish(results)
             if self.pending or stepped:
                 outbox.send(encoder.encode(StepOutput(self.pending, core.stats(), self.rank)))
@@ -142,7 +170,7 @@ class EngineCoreLoop:
         self.pending.append(
             Delta(
                 sid, list(out.output_tokens), out.finished, out.finish_reason,
-                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, queue_time=out.queue_time,
             )
         )  # fmt: skip
 

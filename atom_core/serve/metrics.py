@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from atom_core.serve.protocol import Delta, EngineStats
 
+# The `finished_reason` values of `request_success`: OpenAI's two, and a request the client left.
+FINISHED_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -20,15 +22,23 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["engine"]
+        self._per_engine: list[Gauge | Counter | Histogram] = []  # every metric labelled by engine alone
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            metric = Gauge(name, doc, labels, registry=r)
+            self._per_engine.append(metric)
+            return metric
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*labels, *extra], registry=r)
+            metric = Counter(name, doc, [*labels, *extra], registry=r)
+            if not extra:
+                self._per_engine.append(metric)
+            return metric
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+            metric = Histogram(name, doc, labels, buckets=buckets, registry=r)
+            self._per_engine.append(metric)
+            return metric
 
         self.running = gauge("atom:num_requests_running", "Requests in the engine's running batch.")
         self.waiting = gauge("atom:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -45,11 +55,21 @@ class Metrics:
         self.itl = histogram("atom:inter_token_latency_seconds", "Time between two tokens.", LATENCY_BUCKETS)
         self.e2e = histogram("atom:e2e_request_latency_seconds", "Time from arrival to the end.", LATENCY_BUCKETS)
         self.queue = histogram(
-            "atom:request_queue_time_seconds", "Time from arrival to the first step's news.", LATENCY_BUCKETS
+            "atom:request_queue_time_seconds", "Time from arrival to the request's first step.", LATENCY_BUCKETS
         )
         self.prompt_len = histogram("atom:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.gen_len = histogram("atom:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
         self._totals: dict[int, EngineStats] = {}
+
+    def start(self, num_engines: int) -> None:
+        """Every engine's series at zero from the start, as vLLM exports them (a series would
+        otherwise appear only with its first value)."""
+        for rank in range(num_engines):
+            e = str(rank)
+            for metric in self._per_engine:
+                metric.labels(e)
+            for reason in FINISHED_REASONS:
+                self.success.labels(e, reason)
 
     def engine_stats(self, stats: EngineStats, rank: int = 0) -> None:
         e = str(rank)
@@ -73,10 +93,11 @@ class RequestTimer:
 
     def add(self, delta: Delta, openai_reason: str | None) -> None:
         m, e, now = self.metrics, self.engine, time.perf_counter()
+        if delta.queue_time is not None:
+            m.queue.labels(e).observe(delta.queue_time)
         if delta.token_ids:
             if self.num_tokens == 0:
                 m.ttft.labels(e).observe(now - self.arrival)
-                m.queue.labels(e).observe(now - self.arrival)
             else:
                 m.itl.labels(e).observe((now - self.last) / len(delta.token_ids))
             self.num_tokens += len(delta.token_ids)
@@ -90,3 +111,10 @@ class RequestTimer:
             m.cache_queries.labels(e).inc(self.num_prompt_tokens)
             m.cache_hits.labels(e).inc(delta.num_cached_tokens)
             m.success.labels(e, openai_reason or delta.finish_reason or "unknown").inc()
+
+    def abort(self) -> None:
+        """The client left before the end (counted under `finished_reason="abort"`, as vLLM does)."""
+        m, e = self.metrics, self.engine
+        m.e2e.labels(e).observe(time.perf_counter() - self.arrival)
+        m.prompt_tokens.labels(e).inc(self.num_prompt_tokens)
+        m.success.labels(e, "abort").inc()

@@ -45,11 +45,14 @@ KNOWN_FIELDS = frozenset(
     "model prompt messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop stream "
     "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
     "ignore_eos stop_token_ids user tools tool_choice best_of suffix logit_bias min_tokens prompt_logprobs "
+    "include_stop_str_in_output "
     "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar".split()
 )
 # vLLM's older per-kind fields, read as `structured_outputs` entries.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 MAX_N = 64
+# SamplingParams fields under another name in a request body
+API_NAMES = {"stop_strings": "stop", "structured_output": "response_format"}
 
 
 logger = logging.getLogger("atom")
@@ -63,9 +66,20 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": status}
-    }
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a `SamplingParams` error names (its messages start with the field)."""
+    import attrs
+
+    from atom_core.sampling_params import SamplingParams
+
+    word = message.split(" ", 1)[0].strip(":,")
+    if word not in {f.name for f in attrs.fields(SamplingParams)}:
+        return None
+    return API_NAMES.get(word, word)
 
 
 async def watch_disconnect(request: Request, every: float = 0.5) -> None:
@@ -117,6 +131,8 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise ApiError(400, f"{name} is not supported", name)
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
     if body.get("tools") and body.get("tool_choice", "auto") != "none":
         raise ApiError(400, "tools are not supported (only with tool_choice 'none')", "tools")
     unknown = sorted(set(body) - KNOWN_FIELDS - _ignored)
@@ -144,6 +160,7 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
         "stop_token_ids": _field(body, "stop_token_ids", (list,), []),
         "ignore_eos": _field(body, "ignore_eos", (bool,), False),
         "min_tokens": _field(body, "min_tokens", (int,), 0),
+        "include_stop_str_in_output": _field(body, "include_stop_str_in_output", (bool,), False),
         "logit_bias": _field(body, "logit_bias", (dict,)),
         "structured_output": structured_output(body),
     }
@@ -185,6 +202,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     assert ready is not None
     max_model_len = ready.max_model_len
     metrics = Metrics()
+    metrics.start(client.size)
     client.on_stats = metrics.engine_stats
 
     @app.exception_handler(ApiError)
@@ -208,6 +226,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
@@ -215,12 +235,22 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             raise ApiError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}", "model")
         return body
 
+    def encode(text: str, field: str, **options: Any) -> list[int]:
+        """`text`'s token ids; text the tokenizer cannot take (a lone UTF-16 surrogate) is a 400."""
+        try:
+            return tokenizer.encode(text, **options)
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise ApiError(400, f"{field} is not text the tokenizer can read: {e}", field) from None
+
+    def check_token_ids(ids: list[int], field: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < ready.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{field} token {bad} is outside the vocabulary [0, {ready.vocab_size})", field)
+
     def check_prompt(ids: list[int], max_tokens: int | None) -> None:
         if not ids:
             raise ApiError(400, "the prompt is empty: it must hold at least one token", "prompt")
-        bad = next((t for t in ids if not 0 <= t < ready.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token {bad} is outside the vocabulary [0, {ready.vocab_size})", "prompt")
+        check_token_ids(ids, "prompt")
         if len(ids) + (max_tokens or 0) > max_model_len:
             raise ApiError(
                 400,
@@ -230,11 +260,22 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while every engine core lives and speaks (through a long step too), else 503."""
         try:
-            await client.ping(health_timeout)
+            client.check_health(health_timeout)
         except EngineDead as e:
             return JSONResponse(error_body(503, str(e)), status_code=503)
         return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("atom-engine")}
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -264,7 +305,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise ApiError(400, f"prompt must be a string, got {prompt!r}", "prompt")
-            ids = tokenizer.encode(prompt, add_special_tokens=_field(body, "add_special_tokens", (bool,), True))
+            ids = encode(prompt, "prompt", add_special_tokens=_field(body, "add_special_tokens", (bool,), True))
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.get("/tokenizer_info")
@@ -284,6 +325,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         tokens = body.get("tokens")
         if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise ApiError(400, f"tokens must be a list of token ids, got {tokens!r}", "tokens")
+        check_token_ids(tokens, "tokens")
         return {"prompt": tokenizer.decode(tokens)}
 
     def chat_prompt(body: dict[str, Any]) -> list[int]:
@@ -293,23 +335,27 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a 'role' string, got {m!r}", "messages")
-        messages = [{**m, "content": text_content(m.get("content"), i)} for i, m in enumerate(messages)]
+        # no content (an assistant turn that only called tools): empty text, as vLLM renders it
+        messages = [{**m, "content": text_content(m.get("content"), i) or ""} for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
+            raise ApiError(400, f"the model's chat template cannot render these messages: {e}", "messages") from None
+        return encode(text, "messages", add_special_tokens=False)
 
     def prompts_of(body: dict[str, Any]) -> list[list[int]]:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return [tokenizer.encode(prompt)]
+            return [encode(prompt, "prompt")]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [list(prompt)]
         if isinstance(prompt, list) and prompt:
             out = []
             for p in prompt:
                 if isinstance(p, str):
-                    out.append(tokenizer.encode(p))
+                    out.append(encode(p, "prompt"))
                 elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                     out.append(list(p))
                 else:
@@ -325,7 +371,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         try:
             SamplingParams(**params)
         except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param_of(str(e))) from None
         for ids in prompts:
             check_prompt(ids, params["max_tokens"])
         n = _field(body, "n", (int,), 1)
@@ -351,6 +397,9 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 async for delta in client.generate(f"{rid}-{i}", ids, job_params, rank):
                     timer.add(delta, openai_finish_reason(delta.finish_reason))
                     merged.put_nowait((i, delta))
+            except asyncio.CancelledError:  # the client left (or a sibling choice failed): aborted
+                timer.abort()
+                raise
             except Exception as e:  # RequestFailed, EngineDead: to the consumer
                 merged.put_nowait((i, e))
             finally:
@@ -373,7 +422,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 for task in tasks:
                     task.cancel()
 
-        texts = [TextStream(tokenizer, params["stop_strings"]) for _ in jobs]
+        texts = [TextStream(tokenizer, params["stop_strings"], params["include_stop_str_in_output"]) for _ in jobs]
         chat_logprobs = kind == "chat" and bool(body.get("logprobs"))
         wants_logprobs = params.get("logprobs") is not None
         top_n = params.get("logprobs") or 0
@@ -415,6 +464,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     collecting.cancel()
                     for task in tasks:
                         task.cancel()
+                    await asyncio.gather(collecting, return_exceptions=True)
             if collecting.cancelled():
                 raise ApiError(499, "the client disconnected")
             try:
@@ -534,8 +584,12 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         return {
             "tokens": texts,
             "token_logprobs": [None if e is None else e.get(t) for t, e in zip(tokens, entries)],
+            # the top ones and the chosen token, as vLLM lists them (up to logprobs + 1 entries)
             "top_logprobs": [
-                None if e is None else {token_text(k): v for k, v in top_entries(e, top_n)} for e in entries
+                None
+                if e is None
+                else {token_text(k): v for k, v in [*top_entries(e, top_n), (t, e.get(t))] if v is not None}
+                for t, e in zip(tokens, entries)
             ],
             "text_offset": offsets,
         }
@@ -589,6 +643,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         params = sampling_params(body, None)
         if _field(body, "logprobs", (bool,), False):
             params["logprobs"] = _field(body, "top_logprobs", (int,), 0)
+        elif body.get("top_logprobs") is not None:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if params["max_tokens"] is None:
             params["max_tokens"] = max(1, max_model_len - len(ids))
         return await run(request, "chat", [ids], params, body)

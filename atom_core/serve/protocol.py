@@ -58,6 +58,7 @@ class Delta(msgspec.Struct):
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    queue_time: float | None = None  # with the first tokens: seconds from arrival to the first step
 
 
 class StepOutput(msgspec.Struct, tag="step"):
@@ -73,6 +74,18 @@ class Pong(msgspec.Struct, tag="pong"):
     rank: int = 0
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Sent every `HEARTBEAT_SECONDS` by a thread of the core process, through a long step too:
+    the process is alive and its interpreter runs (`/health`)."""
+
+    rank: int = 0
+    stepping_for: float = 0.0  # seconds the step under way has run (0: between steps)
+
+
+# How often a core says it is alive; `/health` fails a core silent for its timeout.
+HEARTBEAT_SECONDS = 0.5
+
+
 class RequestError(msgspec.Struct, tag="error"):
     """A request refused (`status` 400: its message names the field) or failed (500)."""
 
@@ -82,7 +95,7 @@ class RequestError(msgspec.Struct, tag="error"):
 
 
 ToCore = AddRequest | AbortRequest | Ping | Shutdown
-FromCore = Ready | StepOutput | Pong | RequestError
+FromCore = Ready | StepOutput | Pong | RequestError | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

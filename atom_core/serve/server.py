@@ -15,6 +15,11 @@ from typing import Any
 
 logger = logging.getLogger("atom")
 
+# `Config` defaults a server changes, as vLLM's `serve` does for CPUs: the prefix cache on,
+# and a step's token budget small enough that a long prompt, split into chunks of it, holds
+# up the other requests' streams for one chunk at a time.
+SERVE_DEFAULTS: dict[str, Any] = {"enable_prefix_caching": True, "max_num_batched_tokens": 2048}
+
 
 def serve(
     model: str | None,
@@ -38,7 +43,7 @@ def serve(
     folder = resolve_model(model)  # a .gguf is converted here, once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(folder)
     name = served_model_name or (Path(model).stem if model else folder.name)
-    config = {"enable_prefix_caching": True, **config}
+    config = {**SERVE_DEFAULTS, **config}
     client = EngineClient(str(folder), config, threads=core_threads)
 
     @contextlib.asynccontextmanager

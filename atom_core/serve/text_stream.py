@@ -11,8 +11,8 @@ class TextStream:
     """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
     character or the start of a stop string that may yet complete."""
 
-    def __init__(self, tokenizer: Any, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False):
+        self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.token_ids: list[int] = []
         self.sent = 0  # characters handed out
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -26,11 +26,13 @@ class TextStream:
         self.token_ids += token_ids
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if finished:
-            text = self.text = text_before_stop(text, finish_reason, stop_reason)
+            text = self.text = text_before_stop(text, finish_reason, stop_reason, self.include_stop)
             end = len(text)
         else:
-            end = len(text) - self.hold
+            end = len(text) - self.hold  # below `sent` (or 0) while the text is shorter than a stop string
             while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
                 end -= 1
-        new, self.sent = text[self.sent : end], max(self.sent, end)
+        if end <= self.sent:
+            return ""
+        new, self.sent = text[self.sent : end], end
         return new
