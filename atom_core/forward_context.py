@@ -37,14 +37,9 @@ class ForwardContext:
     argmax_only: bool = False
 
 
+# The step under way's context; between steps an empty one, so that nothing here keeps an
+# engine's KV pool alive once the engine is gone.
 _forward_context = ForwardContext()
-_kv_cache_data: dict[str, Any] = {}
-
-
-def set_kv_cache_data(kv_cache_data: dict[str, Any]) -> None:
-    """Register the per-layer KV cache tensors once, at allocation."""
-    global _kv_cache_data
-    _kv_cache_data = kv_cache_data
 
 
 def set_forward_context(
@@ -54,6 +49,7 @@ def set_forward_context(
     spec_decode_metadata: Any = None,
     attn_metadata_by_type: dict[str, Any] | None = None,
     argmax_only: bool = False,
+    kv_cache_data: dict[str, Any] | None = None,
 ) -> None:
     global _forward_context
     by_type = dict(attn_metadata_by_type or {})
@@ -64,7 +60,7 @@ def set_forward_context(
         attn_metadata_by_type=by_type,
         context=context or Context(),
         spec_decode_metadata=spec_decode_metadata,
-        kv_cache_data=_kv_cache_data,
+        kv_cache_data=kv_cache_data or {},
         argmax_only=argmax_only,
     )
 
@@ -75,4 +71,4 @@ def get_forward_context() -> ForwardContext:
 
 def reset_forward_context() -> None:
     global _forward_context
-    _forward_context = ForwardContext(kv_cache_data=_kv_cache_data)
+    _forward_context = ForwardContext()

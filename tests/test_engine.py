@@ -299,6 +299,23 @@ def test_kv_pool_sized_from_memory_budget(tiny):
     assert engine.runner.kv_cache_tensors["kv_cache"].shape == (2, 2, 2, 21, 16, 16)  # + the null block
 
 
+def test_a_deleted_engine_leaves_nothing_holding_its_kv_pool(tiny):
+    """Nothing global (the forward context, the thread that maps the pool) keeps a deleted
+    engine's KV pool: a notebook that makes engine after engine does not run out of memory."""
+    import gc
+
+    import torch
+
+    engine = LLMEngine(tiny[0], kv_cache_memory=256 << 20, max_model_len=64)
+    engine.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    pool = engine.runner.kv_cache_tensors["kv_cache"].untyped_storage().data_ptr()
+    engine.close()
+    del engine
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == pool]
+    assert held == []
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     alone = engine.generate(PROMPTS[1], params, use_tqdm=False)[0]["token_ids"]

@@ -26,6 +26,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -69,25 +70,33 @@ def empty_resident(
     if device.type != "cpu" or madvise is None:
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw, start = _huge_region(nbytes)
+    raw, start, mapping = _huge_region(nbytes)
     address = raw.data_ptr() + start
     if nbytes:
         stop = threading.Event()
 
         ranges = populate_ranges(shape, dtype.itemsize, block_dim)
 
-        def populate(keep_alive: torch.Tensor = raw) -> None:  # the range stays mapped until done
+        region = weakref.ref(mapping)  # alive while any tensor on it is
+        del mapping
+
+        def populate() -> None:
+            """Map the ranges in order; stop once the region is gone (its engine was deleted),
+            holding it only during each call, so the thread never keeps a pool alive."""
             if not wait:
                 _idle_priority()
             for offset, length in ranges:
-                if stop.is_set():
+                alive = region()
+                if alive is None or stop.is_set():
                     return
                 madvise(address + offset, length, MADV_POPULATE_WRITE)
+                del alive
 
         if wait:
             populate()
         else:
             thread = threading.Thread(target=populate, name="atom-populate", daemon=True)
+            _populating[:] = [(t, s) for t, s in _populating if t.is_alive()]
             _populating.append((thread, stop))
             thread.start()
     return raw[start : start + nbytes].view(dtype).view(shape)
@@ -130,9 +139,10 @@ def _idle_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def _huge_region(nbytes: int) -> tuple[torch.Tensor, int]:
-    """Bytes and the 2 MiB-aligned offset in them where `nbytes` start, advised into huge pages
-    (a hint: refused where THP is off). The unused head and tail are address space only.
+def _huge_region(nbytes: int) -> tuple[torch.Tensor, int, mmap.mmap]:
+    """Bytes, the 2 MiB-aligned offset in them where `nbytes` start, advised into huge pages
+    (a hint: refused where THP is off), and the mapping they lie in (which lives exactly as
+    long as some tensor on it). The unused head and tail are address space only.
 
     A private anonymous mapping of its own, not the heap: with `keep_freed_memory_mapped`
     glibc serves allocations up to 1 GiB from memory earlier work already faulted in on
@@ -144,7 +154,7 @@ def _huge_region(nbytes: int) -> tuple[torch.Tensor, int]:
     start = -raw.data_ptr() % HUGE_PAGE  # huge pages need 2 MiB-aligned ranges
     if nbytes and not os.environ.get("ATOM_DISABLE_HUGE_PAGES"):
         _madvise()(raw.data_ptr() + start, nbytes, MADV_HUGEPAGE)
-    return raw, start
+    return raw, start, mapping
 
 
 def release_freed_heap() -> None:
@@ -177,7 +187,7 @@ class WeightArena:
         offset = -self._next % self.ALIGN + self._next
         if self._raw is None or offset + nbytes > self._end:
             size = max(self.REGION, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-            self._raw, offset = _huge_region(size)
+            self._raw, offset, _ = _huge_region(size)
             self._end = offset + size
         self._next = offset + nbytes
         out = self._raw[offset : offset + nbytes].view(t.dtype).view(t.shape)

@@ -19,7 +19,7 @@ import torch
 from atom_core.config import Config
 from atom_core.distributed.communication import broadcast_ints
 from atom_core.distributed.parallel_state import get_tp_group, set_expert_parallel
-from atom_core.forward_context import Context, reset_forward_context, set_forward_context, set_kv_cache_data
+from atom_core.forward_context import Context, reset_forward_context, set_forward_context
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
 from atom_core.loading.checkpoint import load_model_weights
@@ -174,10 +174,9 @@ class ModelRunner:
             if num_blocks != self.kv_plan.num_blocks:
                 fixed = attrs.evolve(config, num_kvcache_blocks=num_blocks)
                 self.kv_plan = plan_kv_pool(layouts, fixed, self.device, len(reserved))
-        self.kv_cache_tensors, self.per_req_cache_tensors, kv_cache_data = allocate_kv_pool(
+        self.kv_cache_tensors, self.per_req_cache_tensors, self.kv_cache_data = allocate_kv_pool(
             self.attn_builders, self.attn_layers, self.kv_plan, getattr(hf_config, "num_key_value_heads", None)
         )
-        set_kv_cache_data(kv_cache_data)
         # The compiled path traces one rank's graph; with collectives in it, ranks run eagerly.
         self.run_model = compile_model(self.model, config, self.device) if tp.world_size == 1 else self.model
         # Eager modules skip nn.Module.__call__'s hook checks (a compiled model is traced as it is;
@@ -324,6 +323,7 @@ class ModelRunner:
                 positions=meta.positions, is_prefill=batch.total_seqs_num_prefill > 0, batch_size=meta.num_reqs
             ),
             argmax_only=argmax_only,
+            kv_cache_data=self.kv_cache_data,
         )
         t1 = time.perf_counter()
         self._aux_hidden.clear()
