@@ -119,6 +119,19 @@ def test_min_tokens_delays_eos_and_stop_strings(engine):
         [ask], SamplingParams(temperature=0, max_tokens=40, stop_strings=[word], min_tokens=30), use_tqdm=False
     )[0]
     assert len(early["token_ids"]) >= 30
+    # the stop string that ends it is the one a token past min_tokens completes, and the text
+    # keeps everything before that one, not only what comes before the first occurrence
+    for include in (False, True):
+        r = engine.generate(
+            ["Count: 1, 2, 3,"],
+            SamplingParams(
+                temperature=0, max_tokens=30, min_tokens=10, stop_strings=[","], include_stop_str_in_output=include
+            ),
+            use_tqdm=False,
+        )[0]
+        whole = engine.tokenizer.decode(r["token_ids"])
+        assert r["finish_reason"] == "stop" and len(r["token_ids"]) > 10 and whole.endswith(",")
+        assert r["text"] == (whole if include else whole[:-1]) and whole.count(",") > 1
 
 
 @pytest.mark.parametrize(

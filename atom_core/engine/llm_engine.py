@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from atom_core.engine.engine_core import EngineCore, is_token_id_like
 from atom_core.engine.model_source import load_model_source
-from atom_core.engine.output_processor import text_before_stop
+from atom_core.engine.output_processor import final_text
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 
@@ -99,8 +99,9 @@ class LLMEngine:
         keep_stop = result["request_id"] in self._keeps_stop
         self._keeps_stop.discard(result["request_id"])
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
-            text = text_before_stop(text, result["finish_reason"], result["stop_reason"], keep_stop)
+            text = final_text(
+                self.tokenizer, result["token_ids"], result["finish_reason"], result["stop_reason"], keep_stop
+            )
         return {**result, "text": text}
 
     def get_spec_stats(self) -> dict[str, Any]:

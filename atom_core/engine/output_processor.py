@@ -24,15 +24,25 @@ from atom_core.sequence import FinishReason, Sequence
 logger = logging.getLogger("atom")
 
 
-def text_before_stop(
-    text: str, finish_reason: str | None, stop_reason: int | str | None, include_stop: bool = False
-) -> str:
-    """A finished request's text up to its stop string (as vLLM returns it; through it with
-    `include_stop`, vLLM's `include_stop_str_in_output`), else as it is."""
-    if finish_reason == FinishReason.STOP.value and isinstance(stop_reason, str):
-        cut = text.find(stop_reason)
-        return text if cut < 0 else text[: cut + len(stop_reason) * include_stop]
-    return text
+def completed_at(text: str, before: str, stop: str) -> int:
+    """Where `stop` starts in `text` if the text's last token (`text` minus `before`, the text
+    without it) completes it; else -1. An earlier occurrence does not count: it was either
+    seen at its own token or came before `min_tokens` (vLLM's rule: only the new characters)."""
+    stable = len(before.rstrip("\ufffd"))  # an unfinished character may change with the token
+    return text.find(stop, max(0, stable - len(stop) + 1))
+
+
+def final_text(
+    tokenizer: Any, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
+    include_stop: bool = False,
+) -> str:  # fmt: skip
+    """A finished request's text, up to the stop string its last token completed (as vLLM
+    returns it; through it with `include_stop`, vLLM's `include_stop_str_in_output`)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    if finish_reason != FinishReason.STOP.value or not isinstance(stop_reason, str):
+        return text
+    cut = completed_at(text, tokenizer.decode(token_ids[:-1], skip_special_tokens=True), stop_reason)
+    return text if cut < 0 else text[: cut + len(stop_reason) * include_stop]
 
 
 @attrs.define
@@ -73,8 +83,11 @@ class OutputProcessor:
         # under min_tokens no stop string counts (vLLM's rule: only past min_tokens tokens)
         for n in range(max(start, 1, seq.sampling_params.min_tokens + 1), len(tokens) + 1):
             tail = self.tokenizer.decode(tokens[max(0, n - window) : n], skip_special_tokens=True)
+            if not any(s in tail for s in seq.stop_strings):
+                continue
+            before = self.tokenizer.decode(tokens[max(0, n - window) : n - 1], skip_special_tokens=True)
             for s in seq.stop_strings:
-                if s in tail:
+                if completed_at(tail, before, s) >= 0:
                     return n, s
         return None
 

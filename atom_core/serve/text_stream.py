@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom_core.engine.output_processor import text_before_stop
+from atom_core.engine.output_processor import final_text
 
 
 class TextStream:
@@ -24,11 +24,11 @@ class TextStream:
     ) -> str:  # fmt: skip
         """The text the new tokens complete (empty while a character or a stop string may go on)."""
         self.token_ids += token_ids
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if finished:
-            text = self.text = text_before_stop(text, finish_reason, stop_reason, self.include_stop)
+            text = self.text = final_text(self.tokenizer, self.token_ids, finish_reason, stop_reason, self.include_stop)
             end = len(text)
         else:
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             end = len(text) - self.hold  # below `sent` (or 0) while the text is shorter than a stop string
             while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
                 end -= 1
