@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, TypeGuard
 
 import attrs
@@ -63,7 +64,8 @@ def token_id_list(value: Any) -> list[int]:
         return []
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {value!r}")
-    ids = list(value)
+    # numpy's integers (np.int64 is no int) count as ids, as they do for max_tokens
+    ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in value]
     for t in ids:
         if not _is_token_id(t):
             raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")

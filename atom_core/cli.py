@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             with _env_default(BUILD_ENV, "background"):
                 return commands[args.command](args)
         return commands[args.command](args)
+    except BrokenPipeError:  # the reader of our output left (`| head`): stop quietly, as `cat` does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # 128 + SIGPIPE, what a process the signal ended reports
     except (ValueError, TypeError, OSError, KeyError) as e:  # OSError: an unreadable model folder
         print(f"atom: error: {e}", file=sys.stderr)
         return 2
@@ -272,6 +276,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from atom_core.serve.chat import chat, local_reply, remote_reply
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1 (or left out: up to the context), got {args.max_tokens}")
 
     if args.url:
         reply = remote_reply(args.url, args.api_key, args.max_tokens, args.temperature)
@@ -404,19 +411,26 @@ def _stream(engine, prompt, params) -> None:
     """Print tokens as they arrive, decoding the whole completion so multi-token characters come out whole."""
     tokens: list[int] = []
     printed = 0
+    closed: list[BrokenPipeError] = []  # the reader went away (`atom generate ... | head`)
 
     def on_tokens(out) -> None:
         nonlocal printed
         tokens.extend(out.output_tokens)
         text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not out.finished:
+        if closed or text.endswith("\ufffd") and not out.finished:
             return  # half of a multi-byte character: wait for the rest
-        print(text[printed:], end="", flush=True)
+        try:
+            print(text[printed:], end="", flush=True)
+        except BrokenPipeError as e:
+            closed.append(e)
+            engine.abort(rid)  # nobody reads the rest: stop generating it
         printed = len(text)
 
-    engine.add_request(prompt, params, stream_callback=on_tokens)
+    rid = engine.add_request(prompt, params, stream_callback=on_tokens)
     while engine.has_unfinished_requests():
         engine.step()
+    if closed:
+        raise closed[0]
     print()
 
 

@@ -93,6 +93,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
         token = int(key) if not isinstance(key, bool) and str(key).lstrip("-").isdigit() else -1
         if token < 0:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        bias = _float_like(bias)
         if not is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
             raise ValueError(
                 f"logit_bias[{key!r}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r}"

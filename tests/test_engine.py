@@ -289,6 +289,43 @@ def test_configuration_errors_name_the_problem(tiny):
         LLMEngine(tiny[0], dtype="fp8")
     with pytest.raises(FileNotFoundError, match="neither a folder with config.json"):
         LLMEngine(tiny[0] / "nope")
+    # ids outside the vocabulary (the model would never stop on them), refused before loading
+    vocab = tiny[1].config.vocab_size
+    with pytest.raises(ValueError, match=f"eos_token_id names token {vocab}, outside the model's vocabulary"):
+        LLMEngine(tiny[0], eos_token_id=vocab)
+    with pytest.raises(ValueError, match=f"stop_token_ids names token {10**9}, outside"):
+        LLMEngine(tiny[0], stop_token_ids=[1, 10**9])
+    # a name no plugin registers, before the model loads
+    from atom_core.plugins.registry import RegistryError
+
+    for option in ({"sampler": "nope"}, {"scheduling_policy": "nope"}, {"distributed_executor": "nope"}):
+        with pytest.raises(RegistryError, match="'nope'"):
+            LLMEngine(tiny[0], **option)
+
+
+def test_a_cut_or_garbled_checkpoint_is_named(tiny, tmp_path):
+    import shutil
+
+    for name in ("model.safetensors", "config.json"):
+        folder = tmp_path / name.split(".")[0]
+        shutil.copytree(tiny[0], folder)
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[: len(data) // 3])
+        with pytest.raises(
+            ValueError, match=f"{folder / name}: .*(safetensors|JSON)|{folder / name} is not valid JSON"
+        ):
+            LLMEngine(folder, num_kvcache_blocks=16, max_model_len=64)
+
+
+def test_bytes_are_no_prompt_and_numpy_ids_are_ids(engine):
+    import numpy as np
+
+    with pytest.raises(TypeError, match="got bytes"):
+        engine.generate(b"hello", GREEDY, use_tqdm=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=4, stop_token_ids=[np.int64(3)], logit_bias={np.int64(5): np.float32(1.0)}
+    )
+    assert params.stop_token_ids == [3] and params.logit_bias == {5: 1.0}
 
 
 def test_kv_pool_sized_from_memory_budget(tiny):

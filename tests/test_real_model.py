@@ -118,7 +118,7 @@ def test_chat_answers_and_stops_at_eos(engine):
     assert r["text"] == "The capital of France is Paris."
     assert r["finish_reason"] == "eos"
     assert r["token_ids"][-1] == engine.config.eos_token_id == 2
-    with pytest.raises(ValueError, match="chat message 1 must be a dict with a 'role' string"):
+    with pytest.raises(ValueError, match=r"messages\[1\] must be an object with a 'role' string"):
         engine.chat([{"role": "user", "content": "Hi"}, {"content": "no role"}])
 
 
@@ -273,6 +273,23 @@ def test_cli_generate_streams_the_answer(capsys):
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--max-model-len", "256"]) == 0
     assert "The capital of France is Paris." in capsys.readouterr().out
+
+
+def test_cli_generate_into_a_closed_pipe_stops_quietly(tmp_path):
+    """`atom generate ... | head`: the reader leaves; no traceback per token, no error line."""
+    import shlex
+    import subprocess
+    import sys
+
+    command = (
+        f"{shlex.quote(sys.executable)} -m atom_core.cli generate --max-tokens 200 'Write an essay about the sea.'"
+    )
+    r = subprocess.run(
+        ["bash", "-c", f"{command} 2>err.txt | head -c 20; s=${{PIPESTATUS[0]}}; echo; cat err.txt; exit $s"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 141  # 128 + SIGPIPE: what `yes` reports in `yes | head`
+    assert "Traceback" not in r.stdout and "Broken pipe" not in r.stdout and "error" not in r.stdout
 
 
 def test_cli_generate_on_a_fresh_install_answers_while_the_kernels_build(tmp_path, monkeypatch):

@@ -467,6 +467,54 @@ def test_atom_chat_answers_on_a_pipe_with_history(server):
     assert "Paris" in lines[0] and "Rome" in lines[1]  # the second question reads the first
 
 
+def test_a_chat_that_outgrows_the_context_drops_its_oldest_turns_and_goes_on(offline):
+    import io
+
+    from atom_core.serve.chat import ContextFull, chat, local_reply
+
+    with pytest.raises(ContextFull, match="max_model_len=1024"):
+        next(local_reply(offline, 4, 0.0)([{"role": "user", "content": "hello " * 1100}]))
+    seen = []
+
+    def reply(messages):  # a context of 3 messages; a message of "x" * 9 fits in none
+        seen.append([m["content"] for m in messages])
+        if len(messages) > 3 or any(len(m["content"]) > 8 for m in messages):
+            raise ContextFull("too long")
+        yield "ok"
+
+    out, err = io.StringIO(), io.StringIO()
+    chat(reply, io.StringIO("a\nb\n" + "x" * 9 + "\nc\n"), out, err)
+    assert out.getvalue() == "ok\nok\nok\n"  # a, b (a dropped), c; the long message refused
+    assert seen[-1] == ["b", "ok", "c"]
+    assert "oldest turn is dropped" in err.getvalue() and "does not fit the context" in err.getvalue()
+
+
+def test_ctrl_c_at_the_prompt_ends_the_chat_and_no_server_is_one_line():
+    import io
+
+    from atom_core.serve.chat import chat
+
+    class Interrupted(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    chat(lambda messages: iter(["never"]), Interrupted(), out)
+    assert out.getvalue() == "\n"
+    for url in ("http://127.0.0.1:1", "notaurl"):
+        r = subprocess.run(
+            [sys.executable, "-m", "atom_core.cli", "chat", "--url", url],
+            input="hi\n", capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and r.stderr.startswith(f"atom: error: cannot talk to {url}"), r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    r = subprocess.run(
+        [sys.executable, "-m", "atom_core.cli", "chat", "--url", "http://127.0.0.1:1", "--max-tokens", "0"],
+        input="hi\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--max-tokens must be >= 1" in r.stderr
+
+
 def test_ctrl_c_stops_the_reply_not_the_chat():
     import io
 

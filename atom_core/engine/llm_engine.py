@@ -13,6 +13,7 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any, cast
 
+from atom_core.engine.chat_template import chat_text
 from atom_core.engine.engine_core import EngineCore, is_token_id_like
 from atom_core.engine.model_source import load_model_source
 from atom_core.engine.output_processor import final_text
@@ -55,6 +56,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model} has no tokenizer files; pass prompts as token-id lists")
             return self.core.check_token_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text: decode it first
+            raise TypeError("a prompt must be a string or a list of token ids, got bytes (decode them to a str)")
         if isinstance(prompt, SequenceABC):
             return self.core.check_token_ids(prompt)
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -185,12 +188,9 @@ class LLMEngine:
         )
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
+        """The token ids of `conversation` (OpenAI-style messages: content a string, a list of
+        text parts, or none) through the model's chat template, ready for the reply."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.config.model} has no chat template; use generate() with plain prompts")
-        for i, message in enumerate(conversation):  # else the template fails inside jinja
-            # (no 'content' is required: an assistant message with tool_calls may have none)
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"chat message {i} must be a dict with a 'role' string, got {message!r}")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(chat_text(self.tokenizer, conversation), add_special_tokens=False)

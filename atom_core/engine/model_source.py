@@ -5,14 +5,13 @@ into `additional_config`), its Hugging Face config and its tokenizer."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from atom_core.config import Config, check_device
-from atom_core.loading.hf_config import read_hf_config
+from atom_core.loading.hf_config import read_hf_config, read_json
 from atom_core.plugins.options import check_plugin_options, declared_options
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -32,6 +31,7 @@ def load_model_source(model: str | Path | None, **kwargs: Any) -> ModelSource:
     """`kwargs` are `Config` fields or plugin settings (checked before any GGUF file is converted)."""
     kwargs = route_plugin_settings(kwargs)
     check_device(Config(**kwargs).device)
+    check_registered_names(Config(**kwargs))
     folder = resolve_model(model)
     hf_config = read_hf_config(folder)
     config = Config(model=str(folder), **kwargs)
@@ -106,7 +106,7 @@ def model_defaults(config: Config, hf_config: Any, folder: Path) -> dict[str, An
     elif max_pos is not None and config.max_model_len > max_pos:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={max_pos}")
     gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen = read_json(gen_path) if gen_path.exists() else {}
     eos = gen.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if config.eos_token_id is None and eos_ids:
@@ -116,7 +116,28 @@ def model_defaults(config: Config, hf_config: Any, folder: Path) -> dict[str, An
     bos = gen.get("bos_token_id", getattr(hf_config, "bos_token_id", None))
     if config.bos_token_id is None and isinstance(bos, int):
         out["bos_token_id"] = bos
+    vocab = getattr(hf_config, "vocab_size", None)
+    given = [("eos_token_id", config.eos_token_id), ("bos_token_id", config.bos_token_id)]
+    for name, t in given + [("stop_token_ids", t) for t in config.stop_token_ids]:
+        if vocab and t is not None and t >= vocab:
+            raise ValueError(f"{name} names token {t}, outside the model's vocabulary [0, {vocab})")
     return out
+
+
+def check_registered_names(config: Config) -> None:
+    """Every plugin name the config gives is registered (RegistryError naming the ones that are),
+    checked before a model loads rather than after."""
+    from atom_core.plugins.manager import get_registry
+
+    spec = config.speculative_config
+    names = [
+        ("samplers", config.sampler), ("scheduler_policies", config.scheduling_policy),
+        ("distributed_executors", config.distributed_executor),
+    ]  # fmt: skip
+    if spec is not None:
+        names += [("proposers", spec.method), ("samplers", spec.verifier)]
+    for registry, name in names:
+        get_registry(registry).get(name)
 
 
 def load_tokenizer(folder: Path):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from atom_core.layers.checkpoint_slice import CheckpointSlice, materialize
@@ -49,6 +49,14 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
+def open_safetensors(path: Path) -> Any:
+    """`safe_open` of a checkpoint file; ValueError naming it where it is not one (cut short)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a safetensors file Atom can read (truncated or corrupt?): {e}") from None
+
+
 def load_model_weights(model: nn.Module, folder: str | Path) -> None:
     """Copy every checkpoint tensor into its parameter; missing or extra tensors are errors."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -57,7 +65,7 @@ def load_model_weights(model: nn.Module, folder: str | Path) -> None:
     skipped = tuple(getattr(model, "skipped_checkpoint_suffixes", ())) + SKIPPED_SUFFIXES
     loaded: dict[int, set] = {}
     for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if name.endswith(skipped):
                     continue

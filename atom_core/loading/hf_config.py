@@ -16,14 +16,21 @@ def text_config_of(hf_config: Any) -> Any:
     return text
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder; ValueError naming the file where it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
 def read_hf_config(folder: str | Path) -> Any:
     """The folder's transformers config (its text model's); a `model_type` transformers does not
     know is read by the reader a plugin registers under it ("hf_configs")."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    with open(Path(folder) / "config.json") as f:
-        raw = json.load(f)
+    raw = read_json(Path(folder) / "config.json")
     model_type = raw.get("model_type")
     if model_type is not None and model_type not in CONFIG_MAPPING:
         from atom_core.plugins.manager import get_registry

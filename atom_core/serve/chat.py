@@ -1,7 +1,10 @@
 """`atom chat`: a streamed conversation on the terminal (or a pipe), with history.
 
 Against a running `atom serve` (`--url`), or an engine loaded in this process. Ctrl-C stops
-the reply being written, not the chat; an empty line or end of input ends it.
+the reply being written, not the chat; an empty line, end of input or Ctrl-C at the prompt
+ends it. A conversation that outgrows the context drops its oldest turns (llama.cpp's
+`llama-cli` shifts its context likewise), and a message too long on its own is refused
+while the chat goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from atom_core.serve.sse import StreamError, sse_event
 from atom_core.serve.text_stream import TextStream
 
 
+class ContextFull(ValueError):
+    """The conversation no longer fits the model's context."""
+
+
 def remote_reply(url: str, api_key: str | None, max_tokens: int | None, temperature: float) -> Callable:
     import httpx
 
@@ -23,21 +30,25 @@ def remote_reply(url: str, api_key: str | None, max_tokens: int | None, temperat
         body: dict[str, Any] = {"messages": messages, "stream": True, "temperature": temperature}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
-        with httpx.stream(
-            "POST", f"{url.rstrip('/')}/v1/chat/completions", json=body, headers=headers, timeout=None
-        ) as r:
-            if r.status_code != 200:
-                r.read()
-                raise ValueError(f"the server answered {r.status_code}: {r.text}")
-            for line in r.iter_lines():
-                try:
-                    event = sse_event(line)
-                except StreamError as e:
-                    raise ValueError(str(e)) from None
-                for choice in (event or {}).get("choices", []):
-                    piece = choice.get("delta", {}).get("content")
-                    if piece:
-                        yield piece
+        try:
+            with httpx.stream(
+                "POST", f"{url.rstrip('/')}/v1/chat/completions", json=body, headers=headers, timeout=None
+            ) as r:
+                if r.status_code != 200:
+                    r.read()
+                    kind = ContextFull if r.status_code == 400 and "max_model_len" in r.text else ValueError
+                    raise kind(f"the server answered {r.status_code}: {r.text}")
+                for line in r.iter_lines():
+                    try:
+                        event = sse_event(line)
+                    except StreamError as e:
+                        raise ValueError(str(e)) from None
+                    for choice in (event or {}).get("choices", []):
+                        piece = choice.get("delta", {}).get("content")
+                        if piece:
+                            yield piece
+        except httpx.HTTPError as e:  # no server there, a URL that is none, a connection cut
+            raise ValueError(f"cannot talk to {url}: {type(e).__name__}: {e}") from None
 
     return reply
 
@@ -47,7 +58,9 @@ def local_reply(engine: Any, max_tokens: int | None, temperature: float) -> Call
 
     def reply(messages: list[dict[str, str]]) -> Iterator[str]:
         ids = engine.apply_chat_template(messages)
-        limit = max_tokens or max(1, engine.config.max_model_len - len(ids))
+        if len(ids) >= engine.config.max_model_len:  # no room for a single token of reply
+            raise ContextFull(f"the conversation has {len(ids)} tokens, max_model_len={engine.config.max_model_len}")
+        limit = max_tokens or engine.config.max_model_len - len(ids)
         params = SamplingParams(temperature=temperature, max_tokens=limit)
         stream = TextStream(engine.tokenizer, [])
         news: list[Any] = []
@@ -66,25 +79,40 @@ def local_reply(engine: Any, max_tokens: int | None, temperature: float) -> Call
     return reply
 
 
-def chat(reply: Callable, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+def chat(reply: Callable, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> None:
     messages: list[dict[str, str]] = []
     interactive = stdin.isatty()
     while True:
         if interactive:
             stdout.write("> ")
             stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: the end of the chat, as Ctrl-D is
+            stdout.write("\n")
+            return
         if not line or not line.strip():
             return
+        before = list(messages)  # the history to come back to if this message fits no context
         messages.append({"role": "user", "content": line.strip()})
-        answer = []
-        try:
-            for piece in reply(messages):
-                answer.append(piece)
-                stdout.write(piece)
-                stdout.flush()
-        except KeyboardInterrupt:
-            stdout.write(" [stopped]")
-        stdout.write("\n")
-        stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(answer)})
+        while True:
+            answer: list[str] = []
+            try:
+                for piece in reply(messages):
+                    answer.append(piece)
+                    stdout.write(piece)
+                    stdout.flush()
+            except KeyboardInterrupt:
+                stdout.write(" [stopped]")
+            except ContextFull as e:
+                if len(messages) > 1:  # drop the oldest turn (its reply with it) and ask again
+                    del messages[: 2 if len(messages) > 2 else 1]
+                    stderr.write("[the conversation outgrew the context: its oldest turn is dropped]\n")
+                    continue
+                stderr.write(f"[this message does not fit the context: {e}]\n")
+                messages[:] = before
+                break
+            stdout.write("\n")
+            stdout.flush()
+            messages.append({"role": "assistant", "content": "".join(answer)})
+            break

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom_core.engine.chat_template import chat_text
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
@@ -102,27 +103,6 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
         names = " or ".join(k.__name__ for k in kinds)
         raise ApiError(400, f"{name} must be {names}, got {value!r}", name)
     return value
-
-
-def text_content(content: Any, index: int) -> str | None:
-    """A message's content as the chat template reads it: OpenAI's list of content parts
-    (`[{"type": "text", "text": ...}, ...]`) joined into one string, as vLLM does; a part of
-    another type (an image) is a 400."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(
-            400, f"messages[{index}].content must be a string or a list of parts, got {content!r}", "messages"
-        )
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(
-                400, f"messages[{index}].content: only text parts are supported, got a {kind!r} part", "messages"
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
@@ -329,20 +309,12 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         return {"prompt": tokenizer.decode(tokens)}
 
     def chat_prompt(body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, f"messages must be a non-empty list, got {messages!r}", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a 'role' string, got {m!r}", "messages")
-        # no content (an assistant turn that only called tools): empty text, as vLLM renders it
-        messages = [{**m, "content": text_content(m.get("content"), i) or ""} for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
-            raise ApiError(400, f"the model's chat template cannot render these messages: {e}", "messages") from None
+            text = chat_text(tokenizer, body.get("messages"))
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
         return encode(text, "messages", add_special_tokens=False)
 
     def prompts_of(body: dict[str, Any]) -> list[list[int]]:

@@ -1,0 +1,39 @@
+"""OpenAI-style chat messages through a model's chat template: one reading for `LLMEngine.chat`,
+`atom chat` and the server's chat completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def text_content(content: Any, index: int) -> str:
+    """A message's content as the chat template reads it: a string; OpenAI's list of content
+    parts (`[{"type": "text", "text": ...}, ...]`) joined into one string, as vLLM does; none
+    (an assistant turn that only called tools) as empty text. A part of another type (an
+    image) is a ValueError."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{index}].content must be a string or a list of parts, got {content!r}")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"messages[{index}].content: only text parts are supported, got a {kind!r} part")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_text(tokenizer: Any, messages: Any) -> str:
+    """The prompt `messages` make through the tokenizer's chat template, ready for the reply;
+    ValueError naming the message a template could not take (rather than jinja's error)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a 'role' string, got {m!r}")
+    messages = [{**m, "content": text_content(m.get("content"), i)} for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
+        raise ValueError(f"the model's chat template cannot render these messages: {e}") from None
