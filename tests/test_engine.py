@@ -349,8 +349,14 @@ def test_a_deleted_engine_leaves_nothing_holding_its_kv_pool(tiny):
     engine.close()
     del engine
     gc.collect()
-    held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == pool]
-    assert held == []
+
+    def on_pool(o: object) -> bool:
+        try:  # other tests' fake tensors (torch.compile's) have no data
+            return isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == pool
+        except RuntimeError:
+            return False
+
+    assert [o for o in gc.get_objects() if on_pool(o)] == []
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):

@@ -243,6 +243,84 @@ def test_messages_without_content_render_as_empty_text(client, model_name):
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
 
 
+WEATHER_TOOLS = [
+    {"type": "function", "function": {
+        "name": "weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False},
+    }},
+    {"type": "function", "function": {
+        "name": "time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False},
+    }},
+]  # fmt: skip
+TOOL_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_named_tool_choice_answers_with_that_call_whole_and_streamed(client, model_name):
+    choice = {"type": "function", "function": {"name": "weather"}}
+    ask = dict(
+        model=model_name, messages=TOOL_QUESTION, tools=WEATHER_TOOLS, tool_choice=choice, temperature=0, max_tokens=40
+    )
+    r = client.chat.completions.create(**ask)
+    message = r.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 20
+    chunks = [c for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "weather" and all(d.index == 0 for d in deltas)
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_a_required_tool_choice_answers_with_calls_of_the_tools(client, model_name):
+    ask = dict(
+        model=model_name,
+        messages=TOOL_QUESTION,
+        tools=WEATHER_TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    r = client.chat.completions.create(**ask)
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("weather", "time") for c in calls)
+    for c in calls:
+        arguments = json.loads(c.function.arguments)
+        assert set(arguments) == ({"city"} if c.function.name == "weather" else {"zone"})
+    chunks = [c for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+    streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "says"),
+    [
+        (WEATHER_TOOLS, "auto", 'tool_choice "auto"'),
+        (WEATHER_TOOLS, None, 'tool_choice "auto"'),
+        (WEATHER_TOOLS, {"type": "function", "function": {"name": "nope"}}, "'nope', which is not among the tools"),
+        ([{"type": "function"}], "required", "tools[0] must be"),
+        (None, "required", "tool_choice 'required' needs tools"),
+    ],
+)
+def test_tool_choices_this_server_cannot_serve_are_400s(server, tools, choice, says):
+    body = {
+        "messages": TOOL_QUESTION,
+        "max_tokens": 4,
+        **({"tools": tools} if tools else {}),
+        **({"tool_choice": choice} if choice else {}),
+    }
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    ok = httpx.post(
+        f"{server}/v1/chat/completions", json={**body, "tools": WEATHER_TOOLS, "tool_choice": "none"}, timeout=60
+    )
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
 def test_malformed_json_is_a_400_not_a_422(server):
     r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -24,9 +24,10 @@ def text_content(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_text(tokenizer: Any, messages: Any) -> str:
-    """The prompt `messages` make through the tokenizer's chat template, ready for the reply;
-    ValueError naming the message a template could not take (rather than jinja's error)."""
+def chat_text(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt `messages` make through the tokenizer's chat template, ready for the reply
+    (`tools`: OpenAI's, for a template that lists them); ValueError naming the message a
+    template could not take (rather than jinja's error)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list, got {messages!r}")
     for i, m in enumerate(messages):
@@ -34,6 +35,6 @@ def chat_text(tokenizer: Any, messages: Any) -> str:
             raise ValueError(f"messages[{i}] must be an object with a 'role' string, got {m!r}")
     messages = [{**m, "content": text_content(m.get("content"), i)} for i, m in enumerate(messages)]
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
         raise ValueError(f"the model's chat template cannot render these messages: {e}") from None

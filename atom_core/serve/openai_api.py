@@ -30,6 +30,7 @@ from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
 from atom_core.serve.text_stream import TextStream
+from atom_core.serve.tools import ForcedToolCalls, tool_call
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -113,8 +114,6 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
             raise ApiError(400, f"{name} is not supported", name)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise ApiError(400, "tools are not supported (only with tool_choice 'none')", "tools")
     unknown = sorted(set(body) - KNOWN_FIELDS - _ignored)
     if unknown:
         _ignored.update(unknown)
@@ -312,7 +311,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            text = chat_text(tokenizer, body.get("messages"))
+            text = chat_text(tokenizer, body.get("messages"), body.get("tools"))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         return encode(text, "messages", add_special_tokens=False)
@@ -336,8 +335,9 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
         raise ApiError(400, f"prompt must be a string, token ids, or a list of those, got {prompt!r}", "prompt")
 
     async def run(
-        request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any]
-    ) -> Any:
+        request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any],
+        tools: ForcedToolCalls | None = None,
+    ) -> Any:  # fmt: skip
         from atom_core.sampling_params import SamplingParams
 
         try:
@@ -457,7 +457,11 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
                     tokens, content, logprobs[i] = [], "", []
                     choice["finish_reason"], choice["stop_reason"] = "length", None
-                if kind == "chat":
+                calls = tools.calls(content) if tools is not None else None
+                if calls is not None:  # the reply is the calls' JSON: OpenAI's message of tool calls
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
+                elif kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content}
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 else:
@@ -475,6 +479,28 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 "id": rid, "object": object_name, "created": created, "model": served_model_name,
                 "choices": choices, "usage": usage(finals, num_completion),
             }  # fmt: skip
+
+        streamed_calls = [False] * len(jobs)  # a named call's first delta went out (its id and name)
+
+        def tool_call_delta(i: int, new: str, finished: bool) -> dict[str, Any]:
+            """A named function's arguments stream as they come; a required reply's calls go out
+            whole once its JSON is complete (as text, should it have been cut short); {}: nothing yet."""
+            assert tools is not None
+            if tools.name is not None:
+                if not new:
+                    return {}
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": new}}
+                if not streamed_calls[i]:
+                    first = tool_call(tools.name, new)
+                    call = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
+                    streamed_calls[i] = True
+                return {"tool_calls": [call]}
+            if not finished:
+                return {}
+            calls = tools.calls(texts[i].text)
+            if calls is None:
+                return {"content": texts[i].text}
+            return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
 
         async def events() -> AsyncIterator[str]:
             chunk_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -505,10 +531,16 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                         if wants_prompt_lp and delta.prompt_logprobs
                         else None
                     )
-                    if new or prompt_lp or (delta.token_ids and (chat_logprobs or wants_logprobs)):
+                    # a chat delta: its text, or a tool call's (the calls' JSON, as `tool_calls`)
+                    message = (
+                        ({"content": new} if new else {}) if tools is None else tool_call_delta(i, new, delta.finished)
+                    )
+                    if tools is not None:
+                        new = message.get("content", "") if message else ""
+                    if message or prompt_lp or (delta.token_ids and (chat_logprobs or wants_logprobs)):
                         lp = delta.logprobs or []
                         if kind == "chat":
-                            piece: dict[str, Any] = {"delta": {"content": new}}
+                            piece: dict[str, Any] = {"delta": message or {"content": ""}}
                             if chat_logprobs:
                                 piece["logprobs"] = chat_logprob_entries(delta.token_ids, lp, top_n)
                         else:
@@ -592,6 +624,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await read_body(request)
+        if body.get("tools"):
+            raise ApiError(400, "tools are not supported on completions (chat completions take them)", "tools")
         params = sampling_params(body, 16)
         logprobs = _field(body, "logprobs", (int,))
         if logprobs is not None:
@@ -611,14 +645,24 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await read_body(request)
+        try:
+            tools = ForcedToolCalls.of(body)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
         ids = chat_prompt(body)
         params = sampling_params(body, None)
+        if tools is not None:
+            if params["structured_output"] is not None:
+                raise ApiError(
+                    400, "give tool_choice or response_format (or structured_outputs), not both", "tool_choice"
+                )
+            params["structured_output"] = {"json": tools.schema()}
         if _field(body, "logprobs", (bool,), False):
             params["logprobs"] = _field(body, "top_logprobs", (int,), 0)
         elif body.get("top_logprobs") is not None:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if params["max_tokens"] is None:
             params["max_tokens"] = max(1, max_model_len - len(ids))
-        return await run(request, "chat", [ids], params, body)
+        return await run(request, "chat", [ids], params, body, tools)
 
     return app
