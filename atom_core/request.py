@@ -19,7 +19,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # With the first tokens: seconds from its arrival to its first step (vLLM's queue time).
-    queue_time: float | None = None
+    queue_time: float | None = attrs.field(default=None, eq=False)  # a timing, not what was said
 
     @classmethod
     def of(cls, seq: Any, new_tokens: list[int]) -> RequestOutput:
