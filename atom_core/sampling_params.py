@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import attrs
 
@@ -173,7 +174,7 @@ def _stop_strings(value: object) -> list[str]:
     return items
 
 
-@attrs.define(kw_only=True)
+@attrs.define(kw_only=True, init=False)
 class SamplingParams:
     temperature: float = attrs.field(default=1.0, converter=_float_like, validator=_temperature)
     top_k: int = attrs.field(default=-1, converter=_int_like, validator=_top_k)
@@ -212,6 +213,26 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = attrs.field(default=None, converter=_logit_bias)
     # A grammar the output must match; its mask applies before sampling. Such a request drafts nothing.
     structured_output: StructuredOutputParams | None = attrs.field(default=None, converter=_structured_output)
+
+    def __init__(self, *, stop: str | list[str] | None = None, **fields: Any) -> None:
+        """The fields by name; `stop` is vLLM's name for `stop_strings`, taken as well."""
+        if stop is not None:
+            if fields.get("stop_strings"):
+                raise TypeError("give stop or stop_strings (the same field), not both")
+            fields["stop_strings"] = stop
+        unknown = sorted(set(fields) - {f.alias for f in attrs.fields(type(self))})
+        if unknown:
+            hint = " (n: pass the prompt n times, seeded apart; the server takes n)" if "n" in unknown else ""
+            names = ", ".join(f.alias for f in attrs.fields(type(self)))
+            raise TypeError(
+                f"SamplingParams has no field {', '.join(map(repr, unknown))}{hint}; its fields: stop, {names}"
+            )
+        self.__attrs_init__(**fields)
+
+    @property
+    def stop(self) -> list[str]:
+        """vLLM's name for `stop_strings`."""
+        return self.stop_strings
 
     @property
     def has_penalties(self) -> bool:

@@ -328,6 +328,19 @@ def test_bytes_are_no_prompt_and_numpy_ids_are_ids(engine):
     assert params.stop_token_ids == [3] and params.logit_bias == {5: 1.0}
 
 
+def test_sampling_params_take_vllms_stop_and_name_fields_they_lack():
+    import attrs
+
+    params = SamplingParams(stop=["\n"], temperature=0)
+    assert params.stop_strings == params.stop == ["\n"] and attrs.evolve(params, max_tokens=3).stop == ["\n"]
+    with pytest.raises(TypeError, match="not both"):
+        SamplingParams(stop=["a"], stop_strings=["b"])
+    with pytest.raises(TypeError, match="no field 'n' .*pass the prompt n times"):
+        SamplingParams(n=2)
+    with pytest.raises(TypeError, match="no field 'best_of'"):
+        SamplingParams(best_of=2)
+
+
 def test_kv_pool_sized_from_memory_budget(tiny):
     # 2 layers x K and V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192 bytes a block
     engine = LLMEngine(tiny[0], kv_cache_memory=8192 * 20, max_model_len=64)
