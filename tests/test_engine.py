@@ -303,6 +303,18 @@ def test_configuration_errors_name_the_problem(tiny):
             LLMEngine(tiny[0], **option)
 
 
+def test_a_setting_of_another_policy_is_said_to_go_unread(tiny, caplog):
+    from atom_core.engine.model_source import load_model_source
+
+    with caplog.at_level("WARNING", logger="atom"):
+        load_model_source(tiny[0], scheduling_policy="mixed", prefill_chunk_size=64)
+    assert "prefill_chunk_size is a setting of other scheduling policies: scheduling_policy='mixed'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="atom"):
+        load_model_source(tiny[0], scheduling_policy="spyre", prefill_chunk_size=64)
+    assert "prefill_chunk_size" not in caplog.text
+
+
 def test_a_cut_or_garbled_checkpoint_is_named(tiny, tmp_path):
     import shutil
 

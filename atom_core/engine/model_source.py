@@ -5,6 +5,7 @@ into `additional_config`), its Hugging Face config and its tokenizer."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ import attrs
 
 from atom_core.config import Config, check_device
 from atom_core.loading.hf_config import read_hf_config, read_json
-from atom_core.plugins.options import check_plugin_options, declared_options
+from atom_core.plugins.options import check_plugin_options, declared_options, settings_of_other_policies
+
+logger = logging.getLogger("atom")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _CONFIG_FIELDS = {f.name for f in attrs.fields(Config)}
@@ -30,8 +33,16 @@ class ModelSource:
 def load_model_source(model: str | Path | None, **kwargs: Any) -> ModelSource:
     """`kwargs` are `Config` fields or plugin settings (checked before any GGUF file is converted)."""
     kwargs = route_plugin_settings(kwargs)
-    check_device(Config(**kwargs).device)
-    check_registered_names(Config(**kwargs))
+    given = Config(**kwargs)
+    check_device(given.device)
+    check_registered_names(given)
+    unread = settings_of_other_policies(given.additional_config or {}, given.scheduling_policy)
+    if unread:
+        what = "is a setting" if len(unread) == 1 else "are settings"
+        logger.warning(
+            "atom: %s %s of other scheduling policies: scheduling_policy=%r does not read it",
+            ", ".join(unread), what, given.scheduling_policy,
+        )  # fmt: skip
     folder = resolve_model(model)
     hf_config = read_hf_config(folder)
     config = Config(model=str(folder), **kwargs)

@@ -10,6 +10,7 @@ any model is loaded (`check_plugin_options`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,3 +67,19 @@ def check_plugin_options(values: Mapping[str, Any], pm: Any = None) -> None:
     classes = {cls for name in values for cls in declared[name]}
     for cls in classes:
         plugin_options(cls, values)
+
+
+def settings_of_other_policies(values: Mapping[str, Any], policy: str, pm: Any = None) -> list[str]:
+    """The settings in `values` that only scheduling policies declare, none of them `policy`:
+    given, but nothing in an engine on `policy` reads them."""
+    registry = get_registry("scheduler_policies", pm)
+    policies = set()
+    for name in registry.names():
+        try:
+            policies.add(registry.get(name))
+        except Exception:  # a plugin whose class cannot load
+            continue
+    with contextlib.suppress(Exception):
+        policies.discard(registry.get(policy))
+    declared = declared_options(pm)
+    return sorted(name for name in values if name in declared and set(declared[name]) <= policies)
