@@ -262,7 +262,7 @@ def test_a_named_tool_choice_answers_with_that_call_whole_and_streamed(client, m
     )
     r = client.chat.completions.create(**ask)
     message = r.choices[0].message
-    assert message.content is None and len(message.tool_calls) == 1
+    assert message.content is None and len(message.tool_calls) == 1 and r.choices[0].finish_reason == "stop"
     call = message.tool_calls[0]
     assert call.type == "function" and call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
     arguments = json.loads(call.function.arguments)
@@ -286,11 +286,13 @@ def test_a_required_tool_choice_answers_with_calls_of_the_tools(client, model_na
     r = client.chat.completions.create(**ask)
     calls = r.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("weather", "time") for c in calls)
+    assert r.choices[0].finish_reason == "tool_calls"  # OpenAI's and vLLM's for required calls
     for c in calls:
         arguments = json.loads(c.function.arguments)
         assert set(arguments) == ({"city"} if c.function.name == "weather" else {"zone"})
     chunks = [c for c in client.chat.completions.create(stream=True, **ask) if c.choices]
     streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [(d.function.name, d.function.arguments) for d in streamed] == [
         (c.function.name, c.function.arguments) for c in calls
     ]
@@ -564,6 +566,7 @@ def test_a_chat_that_outgrows_the_context_drops_its_oldest_turns_and_goes_on(off
     chat(reply, io.StringIO("a\nb\n" + "x" * 9 + "\nc\n"), out, err)
     assert out.getvalue() == "ok\nok\nok\n"  # a, b (a dropped), c; the long message refused
     assert seen[-1] == ["b", "ok", "c"]
+    assert err.getvalue().count("dropped") == 1  # for c; the refused message dropped nothing
     assert "oldest turn is dropped" in err.getvalue() and "does not fit the context" in err.getvalue()
 
 

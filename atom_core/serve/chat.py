@@ -95,6 +95,7 @@ def chat(reply: Callable, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
             return
         before = list(messages)  # the history to come back to if this message fits no context
         messages.append({"role": "user", "content": line.strip()})
+        dropped = 0
         while True:
             answer: list[str] = []
             try:
@@ -107,12 +108,15 @@ def chat(reply: Callable, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
             except ContextFull as e:
                 if len(messages) > 1:  # drop the oldest turn (its reply with it) and ask again
                     del messages[: 2 if len(messages) > 2 else 1]
-                    stderr.write("[the conversation outgrew the context: its oldest turn is dropped]\n")
+                    dropped += 1
                     continue
                 stderr.write(f"[this message does not fit the context: {e}]\n")
-                messages[:] = before
+                messages[:] = before  # nothing was dropped after all
                 break
             stdout.write("\n")
             stdout.flush()
+            if dropped:
+                turns = "turn is" if dropped == 1 else f"{dropped} turns are"
+                stderr.write(f"[the conversation outgrew the context: its oldest {turns} dropped]\n")
             messages.append({"role": "assistant", "content": "".join(answer)})
             break

@@ -458,8 +458,9 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     tokens, content, logprobs[i] = [], "", []
                     choice["finish_reason"], choice["stop_reason"] = "length", None
                 calls = tools.calls(content) if tools is not None else None
-                if calls is not None:  # the reply is the calls' JSON: OpenAI's message of tool calls
+                if tools is not None and calls is not None:  # the reply is the calls' JSON: OpenAI's tool calls
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    choice["finish_reason"] = tools.finish_reason(reason)
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 elif kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content}
@@ -554,6 +555,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     if delta.finished:
                         finals[i] = delta
                         reason = openai_finish_reason(delta.finish_reason)
+                        if tools is not None and tools.calls(texts[i].text) is not None:
+                            reason = tools.finish_reason(reason)
                         end: dict[str, Any] = {"delta": {}} if kind == "chat" else {"text": ""}
                         yield chunk([{"index": i, **end, "finish_reason": reason, "stop_reason": delta.stop_reason}])
                 if usage_wanted:

@@ -89,6 +89,11 @@ class ForcedToolCalls:
         ]
         return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" for required calls that ended as the grammar completed, "stop"
+        (as it was) for a named function's, as vLLM has them."""
+        return "tool_calls" if self.name is None and reason == "stop" else reason
+
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The reply's `tool_calls`; None where a required reply was cut short (its JSON does not parse)."""
         if self.name is not None:
