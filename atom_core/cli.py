@@ -408,23 +408,21 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _stream(engine, prompt, params) -> None:
-    """Print tokens as they arrive, decoding the whole completion so multi-token characters come out whole."""
-    tokens: list[int] = []
-    printed = 0
+    """Print tokens as they arrive (`TextStream`: multi-token characters come out whole)."""
+    from atom_core.serve.text_stream import TextStream
+
+    stream = TextStream(engine.tokenizer, [])
     closed: list[BrokenPipeError] = []  # the reader went away (`atom generate ... | head`)
 
     def on_tokens(out) -> None:
-        nonlocal printed
-        tokens.extend(out.output_tokens)
-        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-        if closed or text.endswith("\ufffd") and not out.finished:
-            return  # half of a multi-byte character: wait for the rest
+        piece = stream.add(out.output_tokens, out.finished, out.finish_reason)
+        if closed or not piece:
+            return
         try:
-            print(text[printed:], end="", flush=True)
+            print(piece, end="", flush=True)
         except BrokenPipeError as e:
             closed.append(e)
             engine.abort(rid)  # nobody reads the rest: stop generating it
-        printed = len(text)
 
     rid = engine.add_request(prompt, params, stream_callback=on_tokens)
     while engine.has_unfinished_requests():

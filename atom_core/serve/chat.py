@@ -107,7 +107,7 @@ def chat(reply: Callable, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
                 stdout.write(" [stopped]")
             except ContextFull as e:
                 if len(messages) > 1:  # drop the oldest turn (its reply with it) and ask again
-                    del messages[: 2 if len(messages) > 2 else 1]
+                    del messages[:2]
                     dropped += 1
                     continue
                 stderr.write(f"[this message does not fit the context: {e}]\n")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import os
@@ -28,8 +27,6 @@ from atom_core.serve.protocol import (
     AbortRequest,
     AddRequest,
     Delta,
-    Ping,
-    Pong,
     Ready,
     RequestError,
     Shutdown,
@@ -77,9 +74,7 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._rank_of: dict[str, int] = {}
         self._outstanding = [0] * self.size
-        self._pongs: dict[int, asyncio.Future] = {}
         self._heard: dict[int, float] = {}  # rank -> loop time of its last message (heartbeats included)
-        self._nonce = itertools.count()
         self._processes: list[Any] = []
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
@@ -194,18 +189,11 @@ class EngineClient:
                 queue = self._queues.get(message.id)
                 if queue is not None:
                     queue.put_nowait(RequestFailed(message.message, message.status))
-            elif isinstance(message, Pong):
-                future = self._pongs.pop(message.nonce, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
 
     def _fail_all(self, why: str) -> None:
         self.dead = why
         for queue in self._queues.values():
             queue.put_nowait(EngineDead(why))
-        for future in self._pongs.values():
-            if not future.done():
-                future.set_exception(EngineDead(why))
 
     def check_health(self, timeout: float) -> None:
         """EngineDead if a rank has died, or has sent nothing (not even a heartbeat, which its
@@ -219,25 +207,6 @@ class EngineClient:
             silent = now - self._heard.get(rank, now)
             if silent > timeout:
                 raise EngineDead(f"engine core {rank} has sent nothing for {silent:.1f} s (limit {timeout} s)")
-
-    async def ping(self, timeout: float) -> list[Pong]:
-        """Every rank's answer; EngineDead if one is gone or silent past `timeout`."""
-        if self.dead is not None:
-            raise EngineDead(self.dead)
-        loop = asyncio.get_running_loop()
-        waits: list[tuple[int, asyncio.Future]] = []
-        for sock in self._to_core:
-            nonce = next(self._nonce)
-            future = self._pongs[nonce] = loop.create_future()
-            waits.append((nonce, future))
-            await sock.send(encoder.encode(Ping(nonce)))
-        try:
-            return [await asyncio.wait_for(future, timeout) for _, future in waits]
-        except asyncio.TimeoutError:
-            raise EngineDead(f"an engine core did not answer within {timeout} s") from None
-        finally:
-            for nonce, _ in waits:
-                self._pongs.pop(nonce, None)
 
     def pick_rank(self, count: int = 1) -> int:
         """The rank with the fewest outstanding requests, `count` more of which it now has: the

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 import msgspec
@@ -25,8 +24,6 @@ from atom_core.serve.protocol import (
     AddRequest,
     Delta,
     Heartbeat,
-    Ping,
-    Pong,
     Ready,
     RequestError,
     Shutdown,
@@ -59,7 +56,7 @@ def run_core(
     try:
         core = EngineCoreLoop(model, config, rank)
         outbox.send(encoder.encode(core.ready()))
-        beat = threading.Thread(target=heartbeat, args=(context, out_address, core, stop), daemon=True)
+        beat = threading.Thread(target=heartbeat, args=(context, out_address, rank, stop), daemon=True)
         beat.start()
         core.serve(inbox, outbox)
     finally:
@@ -71,18 +68,17 @@ def run_core(
         context.term()
 
 
-def heartbeat(context: zmq.Context, out_address: str, core: EngineCoreLoop, stop: threading.Event) -> None:
+def heartbeat(context: zmq.Context, out_address: str, rank: int, stop: threading.Event) -> None:
     """Say the process is alive every HEARTBEAT_SECONDS, from a socket of this thread's own:
     a step of many seconds (a long prompt) runs in torch's kernels, which let this thread
     run, so `/health` stays up while the step goes on, as vLLM's does."""
     sock = context.socket(zmq.PUSH)
     sock.connect(out_address)
     try:
+        beat = encoder.encode(Heartbeat(rank))
         while not stop.wait(HEARTBEAT_SECONDS):
-            started = core.step_started
-            beat = Heartbeat(core.rank, time.monotonic() - started if started else 0.0)
             with contextlib.suppress(zmq.Again):  # an API process that reads nothing: skip, never block
-                sock.send(encoder.encode(beat), zmq.NOBLOCK)
+                sock.send(beat, zmq.NOBLOCK)
     finally:
         sock.close(linger=0)
 
@@ -99,7 +95,6 @@ class EngineCoreLoop:
         self.ids: dict[int, str] = {}  # engine request id -> the server's id
         self.rids: dict[str, int] = {}
         self.pending: list[Delta] = []
-        self.step_started = 0.0  # time.monotonic() when the step under way began; 0 between steps
 
     def ready(self) -> Ready:
         core = self.core
@@ -124,13 +119,11 @@ class EngineCoreLoop:
                     outbox.send(encoder.encode(reply))
             stepped = core.has_unfinished_requests()
             if stepped:
-                self.step_started = time.monotonic()
                 try:
                     results = core.step()
                 except Exception:  # the step's requests end with "error"; the others go on
                     logger.exception("atom core: a step failed")
                     results = []
-                self.step_started = 0.0
                 self.finish(results)
             if self.pending or stepped:
                 outbox.send(encoder.encode(StepOutput(self.pending, core.stats(), self.rank)))
@@ -144,9 +137,6 @@ class EngineCoreLoop:
             if rid is not None:
                 self.core.abort(rid)
             return None
-        if isinstance(message, Ping):
-            scheduler = self.core.scheduler
-            return Pong(message.nonce, len(scheduler.running), len(scheduler.waiting), self.rank)
         return None
 
     def add(self, message: AddRequest) -> RequestError | None:

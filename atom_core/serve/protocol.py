@@ -29,10 +29,6 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     id: str
 
 
-class Ping(msgspec.Struct, tag="ping"):
-    nonce: int
-
-
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -67,19 +63,11 @@ class StepOutput(msgspec.Struct, tag="step"):
     rank: int = 0
 
 
-class Pong(msgspec.Struct, tag="pong"):
-    nonce: int
-    num_running: int
-    num_waiting: int
-    rank: int = 0
-
-
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     """Sent every `HEARTBEAT_SECONDS` by a thread of the core process, through a long step too:
     the process is alive and its interpreter runs (`/health`)."""
 
     rank: int = 0
-    stepping_for: float = 0.0  # seconds the step under way has run (0: between steps)
 
 
 # How often a core says it is alive; `/health` fails a core silent for its timeout.
@@ -94,8 +82,8 @@ class RequestError(msgspec.Struct, tag="error"):
     status: int = 400
 
 
-ToCore = AddRequest | AbortRequest | Ping | Shutdown
-FromCore = Ready | StepOutput | Pong | RequestError | Heartbeat
+ToCore = AddRequest | AbortRequest | Shutdown
+FromCore = Ready | StepOutput | RequestError | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
