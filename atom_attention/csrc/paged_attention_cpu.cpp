@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "out_tensor.h"  // atom_core/layers/csrc too
 #include "simd.h"  // atom_core/layers/csrc, on the include path CppKernel sets
 
 namespace {
@@ -587,7 +588,7 @@ void check_cache(const at::Tensor& c, const char* name) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t window, double softcap,
-                           const std::optional<at::Tensor>& sinks) {
+                           const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& out_) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous rows");
   check_cache(k_cache, "k_cache");
@@ -596,10 +597,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   // A cache in another dtype than q (Config.kv_cache_dtype): float32 queries read bfloat16 and
   // float16 caches as they are, widening each value as it is read; other pairs run with float32 queries.
-  if (qt != ct && qt != at::kFloat)
-    return paged_attention(q.to(at::kFloat), k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                           window, softcap, sinks)
-        .to(qt);
+  if (qt != ct && qt != at::kFloat) {
+    const auto wide = paged_attention(q.to(at::kFloat), k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                                      scale, window, softcap, sinks, std::nullopt);
+    if (!out_.has_value()) return wide.to(qt);
+    auto out = atom::output(out_, q.sizes(), q.options(), "paged_attention");
+    return out.copy_(wide);
+  }
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and cache head_dim differ");
   auto tables = block_tables.to(at::kLong).contiguous();
@@ -616,7 +620,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == q.size(1), "sinks must hold one logit per query head");
     opt.sinks = sink_logits.data_ptr<float>();
   }
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto out = atom::output(out_, q.sizes(), q.options(), "paged_attention");
   TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf,
               "paged_attention takes caches in float32, bfloat16 or float16, not ", ct);
   if (qt == ct) {
@@ -669,7 +673,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of new tokens over their paged KV (CPU)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("context_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"),
-        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());  // the buffer to write (atom::output)
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
   // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
   // others walk the keys once per token. dispatch_dim instantiates these.

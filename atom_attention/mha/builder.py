@@ -40,6 +40,12 @@ class MHAMetadataBuilder(AttentionMetadataBuilder):
         self.kv_cache: torch.Tensor | None = None
         self.impl = (self.impl_cls or default_impl_cls(self.device))()
 
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """The C++ kernel's decode reads only the metadata's tensors; the torch path slices by
+        Python values, which a replay would keep from the recorded step."""
+        return isinstance(self.impl, CpuPagedAttention)
+
     def compute_block_bytes(self) -> int:
         return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 

@@ -16,6 +16,7 @@ import torch
 
 from atom_attention import cpu_kernels
 from atom_attention.mha.torch_paged import TorchPagedAttention
+from atom_core.layers.graph_capture import launch, launch_inplace
 from atom_core.plugin_api import AttentionMetadata
 
 # Up to this many new tokens a request, the kernel walks the keys once per token (as in
@@ -44,7 +45,7 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         # Every token's KV lands before any request reads (prompts of one batch may share a
         # block). Nothing reads past a request's written positions, so fresh blocks need no clearing.
-        self.ops.write_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        launch_inplace(self.ops.write_kv, k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
         nk = meta.extra["kernel_reqs"]
@@ -64,7 +65,7 @@ class CpuPagedAttention(TorchPagedAttention):
             tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
         else:
             tables, lens, starts = meta.block_tables[:nk], meta.context_lens[:nk], meta.query_start_loc[: nk + 1]
-        return self.ops.paged_attention(
-            q, layer.k_cache, layer.v_cache, tables, lens, starts, layer.scale, layer.sliding_window or 0,
-            layer.logit_softcap or 0.0, layer.sinks,
+        return launch(
+            self.ops.paged_attention, q, layer.k_cache, layer.v_cache, tables, lens, starts, layer.scale,
+            layer.sliding_window or 0, layer.logit_softcap or 0.0, layer.sinks,
         )  # fmt: skip

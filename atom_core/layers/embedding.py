@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom_core.layers.graph_capture import recording
 from atom_core.layers.quantized_weight import QuantizedWeight
 
 
@@ -27,7 +28,8 @@ class LookupEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel() and not torch.compiler.is_compiling():  # a traced graph takes the engine's checked ids
+        # a traced or recorded graph takes the engine's checked ids
+        if flat.numel() and not (torch.compiler.is_compiling() or recording()):
             low, high = (int(v) for v in torch.aminmax(flat))
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high

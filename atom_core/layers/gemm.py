@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_core.layers.cpp import CppKernel, compiled_op
+from atom_core.layers.graph_capture import launch
 from atom_core.platform.cpu_features import cpu_features
 from atom_core.platform.memory import resident
 
@@ -115,7 +116,7 @@ class StreamingGemm:
                 raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
             if torch.compiler.is_compiling():
                 return compiled_op(self.ops, "gemv")(x, self.tiled, self.out_features, bias)
-            return self.ops.gemv(x, self.tiled, self.out_features, bias)
+            return launch(self.ops.gemv, x, self.tiled, self.out_features, bias)
         if self.every_row:  # no rows
             return x.new_empty((0, self.out_features))
         return _onednn_linear(x, packed, bias)

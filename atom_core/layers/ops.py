@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_core.layers.cpp import CppKernel
+from atom_core.layers.graph_capture import launch, launch_inplace
 
 CPU_OPS_KERNEL = CppKernel("atom_cpu_ops", Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: elements below which torch's elementwise ops use one thread
@@ -36,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Statistics in float32, normalised value cast back before the weight (as transformers)."""
     ops = _native(x)
     if ops is not None and weight.dtype == x.dtype:
-        return ops.rms_norm(x, weight, eps)
+        return launch(ops.rms_norm, x, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -52,7 +53,7 @@ def add_rms_norm(
     """
     ops = _native(x)
     if ops is not None and residual.dtype == x.dtype == weight.dtype and residual.is_contiguous():
-        return ops.add_rms_norm(x, residual, weight, eps), residual
+        return launch(ops.add_rms_norm, x, residual, weight, eps), residual
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
 
@@ -106,7 +107,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         vector_bytes = torch_vector_bytes()
         whole_rows = torch_splits_whole_rows(x.shape[0], x.shape[1] // 2)
         if vector_bytes is not None and whole_rows and ops.EXP_LANES:
-            return ops.silu_and_mul(x, vector_bytes)
+            return launch(ops.silu_and_mul, x, vector_bytes)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one fewer [tokens, intermediate] temporary
 
@@ -119,7 +120,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     """
     ops = _native(x)
     if ops is not None and x.stride(-1) == 1:
-        return ops.rotary_(x, cos, sin_signed)
+        return launch_inplace(ops.rotary_, x, cos, sin_signed)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from atom_core.layers.cpp import compiled_op
 from atom_core.layers.gemm import gemv_ops, pick_gemm
+from atom_core.layers.graph_capture import launch
 from atom_core.layers.ops import near_max
 from atom_core.layers.quantized_weight import INT4_GROUP_SIZES, KERNEL_DTYPE, QuantizedWeight
 from atom_core.platform.memory import resident
@@ -149,7 +150,9 @@ class StreamingGroupGemm:
             return compiled_op(self.ops, "qgemm")(
                 rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits
             )
-        return self.ops.qgemm(rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits)
+        return launch(
+            self.ops.qgemm, rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits
+        )
 
 
 def streaming_error_bound(
@@ -280,9 +283,10 @@ def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: to
     """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
     decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
     if x.dim() == 2 and bias is None and not torch.compiler.is_compiling():
-        return kernel.ops.qgemm(
-            x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None, kernel.activation_bits
-        )
+        return launch(
+            kernel.ops.qgemm, x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None,
+            kernel.activation_bits,
+        )  # fmt: skip
     return quantized_linear(x, kernel, bias)
 
 

@@ -97,6 +97,12 @@ class AttentionMetadataBuilder:
     """
 
     impl_cls: type | None = None
+    # Whether decode graphs (atom_core/runner/decode_graph.py) may replay this builder's layers:
+    # its kernels read a step's values only from the tensors of its `AttentionMetadata` (the
+    # fields and `extra`), a step with the same rows and query lengths takes the same path
+    # through them, and a step's forward run twice leaves what one run leaves (paged KV is
+    # rewritten with the same values; per-request state would advance twice).
+    graph_safe: bool = False
     # The builder's own settings: an attrs class read from `Config.additional_config`
     # (atom_core/plugins/options.py); `self.options` is its instance, None without one.
     options_class: type | None = None

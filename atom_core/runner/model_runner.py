@@ -28,6 +28,7 @@ from atom_core.platform.memory import keep_freed_memory_mapped, release_freed_he
 from atom_core.plugins.manager import get_registry
 from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext
 from atom_core.runner.compile import compile_model
+from atom_core.runner.decode_graph import decode_graphs
 from atom_core.runner.direct_calls import direct_calls
 from atom_core.runner.kv_pool import allocate_kv_pool, plan_kv_pool
 from atom_core.runner.logprobs import token_logprobs
@@ -183,6 +184,7 @@ class ModelRunner:
         # a proposer's own layers always run eagerly).
         for root in ([self.model] if self.run_model is self.model else []) + draft_modules:
             direct_calls(root)
+        self.run_model = decode_graphs(self.model, self.run_model, config, self.attn_builders, tp.world_size > 1)
         self.timings: dict[str, float] = defaultdict(float)
         # Set by a multi-rank executor: called on rank 0 with each step's batch, its logit rows and
         # the previous step's accepted drafts, before the model runs, to send them to the other ranks.

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "out_tensor.h"
 #include "simd.h"
 
 namespace {
@@ -161,34 +162,35 @@ void check_weight(const at::Tensor& w, const at::Tensor& x, const char* name) {
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& out_) {
   const auto x = as_rows(input);
   check_rows(x, "rms_norm");
   check_weight(weight, x, "rms_norm");
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto out = atom::output(out_, {x.size(0), x.size(1)}, x.options(), "rms_norm");
   DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar_t>(x, weight, eps, out));
   return input.dim() == 2 ? out : out.view(input.sizes());
 }
 
 // residual (contiguous, x's shape) += x; returns rms_norm(residual).
-at::Tensor add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+at::Tensor add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                        const c10::optional<at::Tensor>& out_) {
   const auto x = as_rows(input);
   check_rows(x, "add_rms_norm");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == input.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm residual must be contiguous, of the input's shape and dtype");
   check_weight(weight, x, "add_rms_norm");
   auto res = residual.view({x.size(0), x.size(1)});
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto out = atom::output(out_, {x.size(0), x.size(1)}, x.options(), "add_rms_norm");
   DISPATCH(x.scalar_type(), "add_rms_norm", add_rms_norm_impl<scalar_t>(x, res, weight, eps, out));
   return input.dim() == 2 ? out : out.view(input.sizes());
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x, int64_t vector_bytes) {
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t vector_bytes, const c10::optional<at::Tensor>& out_) {
   check_rows(x, "silu_and_mul");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul takes [rows, 2 * d]");
   TORCH_CHECK(vector_bytes == 0 || (vector_bytes >= 32 && vector_bytes % 32 == 0 && kLanes > 0),
               "silu_and_mul: vector_bytes must be 0, or 32 or 64 in a build with AVX2");
-  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto out = atom::output(out_, {x.size(0), x.size(1) / 2}, x.options(), "silu_and_mul");
   DISPATCH(x.scalar_type(), "silu_and_mul", silu_and_mul_impl<scalar_t>(x, vector_bytes, out));
   return out;
 }
@@ -322,9 +324,13 @@ std::tuple<at::Tensor, at::Tensor> near_max_rows(const at::Tensor& x, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("near_max_rows", &near_max_rows, "(rows, cols) of the float32 entries within eps-scaled margins of their row's maximum (CPU)");
   m.def("argmax_rows", &argmax_rows, "argmax over each row, torch's semantics (first maximum, NaN largest; CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32 statistics (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (residual updated in place; CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up, as torch's one-thread silu rounds (CPU)");
+  // `out`: the buffer to write (a replayed graph's, atom::output); a new tensor without it
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, float32 statistics (CPU)", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("out") = py::none());
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of residual (residual updated in place; CPU)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
+  m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up, as torch's one-thread silu rounds (CPU)",
+        py::arg("x"), py::arg("vector_bytes"), py::arg("out") = py::none());
   m.def("rotary_", &rotary_, "rotate-half rotary embedding, in place (CPU)");
   m.attr("EXP_LANES") = kLanes;  // 0: no vector exp to mirror torch's silu with (portable builds)
   m.attr("VARIANT") = ATOM_STR(ATOM_VARIANT);

@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "out_tensor.h"
 #include "simd.h"
 
 // The loops over a tile's rows (M, MB: compile-time constants) unroll fully, so that their
@@ -226,7 +227,8 @@ constexpr int64_t MAX_ROWS = 64;
 
 // y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 [ceil(N / TILE), K,
 // TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias,
+                const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2, "gemv takes x [M, K], got ", x.sizes());
   TORCH_CHECK(w.is_contiguous(), "gemv weight must be contiguous");
@@ -246,7 +248,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
     bf = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  auto y = at::empty({M, N}, x.options());
+  auto y = atom::output(out, {M, N}, x.options(), "gemv");
   if (M == 0) return y;
   // x padded to the weight's K (a zero after an odd K: bfloat16 weights go in pairs)
   auto padded = [&](const at::Tensor& t) { return Kp == K ? t.contiguous() : at::constant_pad_nd(t, {0, Kp - K}); };
@@ -682,7 +684,7 @@ void qgemm_block(int, const QRows<ABITS>& xs, int64_t m, int64_t K, const uint8_
 }  // namespace
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
-                 const c10::optional<at::Tensor>& bias, int64_t act_bits) {
+                 const c10::optional<at::Tensor>& bias, int64_t act_bits, const c10::optional<at::Tensor>& out) {
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
               "qgemm takes x [M, K], float32, bfloat16 or float16, on CPU");
@@ -698,7 +700,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   TORCH_CHECK(act_bits == 16 || (act_bits == 8 && bits == 4),
               "qgemm act_bits must be 16, or 8 with 4-bit weights; got act_bits ", act_bits, " with ", bits, "-bit weights");
   const at::Tensor xc = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
+  auto y = atom::output(out, {M, N}, x.options(), "qgemm");
   if (M == 0 || N == 0) return y;
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
@@ -744,14 +746,21 @@ ATOM_TORCH_LIBRARY(ATOM_OPS_NS, m) {
   m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias, int act_bits=16) -> Tensor");
 }
 ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
-  m.impl("gemv", &gemv);
-  m.impl("qgemm", &qgemm);
+  m.impl("gemv", [](const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias) {
+    return gemv(x, w, N, bias, c10::nullopt);
+  });
+  m.impl("qgemm", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
+                     const c10::optional<at::Tensor>& bias, int64_t act_bits) {
+    return qgemm(x, qw, d, mn, N, bias, act_bits, c10::nullopt);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y = x @ w.T (+ bias), w in tiles of TILE rows (linear.gemv_weight), weight-streaming (CPU)");
+  // `out`: the buffer to write (a replayed graph's, atom::output); a new tensor without it
+  m.def("gemv", &gemv, "y = x @ w.T (+ bias), w in tiles of TILE rows (linear.gemv_weight), weight-streaming (CPU)",
+        py::arg("x"), py::arg("w"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
   m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, x rounded per group to act_bits (16, or 8 for 4-bit w), any rows of x, batch-invariant (CPU)",
-        py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("act_bits") = 16);
+        py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("act_bits") = 16, py::arg("out") = py::none());
   m.attr("MAX_ROWS") = MAX_ROWS;
   m.attr("TILE") = TILE;
   m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);

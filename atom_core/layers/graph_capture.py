@@ -1,0 +1,169 @@
+"""Recording one forward's kernel calls, for a decode graph to replay (`atom_core.runner.decode_graph`).
+
+Why: at a few decode rows, a small model's step spends about as long in the Python that
+dispatches its ~10 kernels a layer (module calls, views, checks) as in the kernels. A graph
+(vLLM's CUDA graphs, done by hand) records one step's kernel calls with the buffers they wrote;
+a later step of the same shape copies its inputs into the recorded inputs and makes just those
+calls again, each writing the buffer it wrote before, so every later call reads this step's values.
+
+Two kinds of call are recorded:
+
+* an Atom kernel called through `launch` (it returns a new output and takes the buffer to
+  write as a last `out` argument) or `launch_inplace` (it writes its arguments);
+* every torch op the forward runs outside those kernels, seen by a `TorchDispatchMode`: an
+  in-place op as it is, a functional one as its `.out` overload writing the tensor it returned
+  (or, without one, computed anew and copied into it); composite ops as the ops they are made
+  of; views and allocations are not replayed (they alias recorded buffers), nor ops without
+  tensor inputs (their results are constants). An op whose output shape or control flow
+  depends on values (`.item()`, `nonzero`) makes the capture fail: the step then runs eagerly.
+
+A kernel called directly, not through `launch`, is not seen: the graph would replay without it
+and read its stale output. `decode_graph` checks each graph once against an eager step before
+trusting it, so such a forward falls back to eager instead of answering wrong.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+class CaptureUnsupported(RuntimeError):
+    """The forward did something a replay cannot repeat; the message names it."""
+
+
+# ops that make a tensor without computing its values (a later recorded op writes them)
+_ALLOCATIONS = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_strided.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+# aliasing ops the dispatcher does not mark as views
+_ALIASES = {aten._unsafe_view.default, aten.lift_fresh.default, aten.detach.default, aten.alias.default}
+# ops whose results depend on values in a way a replay cannot follow
+_DATA_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+
+
+def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """`func`'s `.out` twin: the overload taking the same arguments plus one `out` tensor."""
+    signature = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        outs = [a for a in op._schema.arguments if a.is_out]
+        if (
+            len(outs) == 1
+            and outs[0].name == "out"
+            and [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out] == signature
+        ):
+            return op
+    return None
+
+
+def _copy_into(result: torch.Tensor, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    result.copy_(func(*args, **kwargs))
+
+
+def _has_tensor(values: Any) -> bool:
+    return any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and _has_tensor(v))
+        for v in (values.values() if isinstance(values, dict) else values)
+    )
+
+
+Call = tuple[Callable[..., Any], tuple, dict]
+
+
+class Recorder(TorchDispatchMode):
+    """The calls of one forward, in order, as `(callable, args, kwargs)` a replay repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+        self._inside = 0  # > 0 while a launched kernel runs: its own torch ops are its business
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._inside or func in _ALLOCATIONS:
+            return func(*args, **kwargs)
+        # A composite op (`to`, `reshape`, `contiguous`) may copy or alias: its parts are what run.
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        if func in _ALIASES or func.is_view:
+            return func(*args, **kwargs)
+        if func in _DATA_DEPENDENT:
+            raise CaptureUnsupported(f"{func} depends on tensor values")
+        if not _has_tensor(args) and not _has_tensor(kwargs):  # a constant
+            return func(*args, **kwargs)
+        if func._schema.is_mutable:  # in place, or an out= call: repeated as it is
+            result = func(*args, **kwargs)
+            self.calls.append((func, args, kwargs))
+            return result
+        result = func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            raise CaptureUnsupported(f"{func} returns {type(result).__name__}, not one tensor")
+        out = _out_overload(func)
+        if out is not None:
+            self.calls.append((out, args, {**kwargs, "out": result}))
+        else:  # computed anew and copied in (`_to_copy.out` takes no dtype, for one)
+            self.calls.append((_copy_into, (result, func, args, kwargs), {}))
+        return result
+
+    def kernel(self, kernel: Callable[..., Any], args: tuple, returns_out: bool) -> Any:
+        self._inside += 1
+        try:
+            result = kernel(*args)
+        finally:
+            self._inside -= 1
+        self.calls.append((kernel, (*args, result) if returns_out else args, {}))
+        return result
+
+
+_recorder: Recorder | None = None
+
+
+def recording() -> bool:
+    """Whether a graph is being recorded (a layer skips checks that read tensor values then)."""
+    return _recorder is not None
+
+
+@contextmanager
+def record() -> Iterator[Recorder]:
+    """Record the calls made inside the block (one forward)."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("a graph is already being recorded")
+    recorder = Recorder()
+    _recorder = recorder
+    try:
+        with recorder:
+            yield recorder
+    finally:
+        _recorder = None
+
+
+def launch(kernel: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """`kernel(*args)`, a kernel that returns a new tensor and takes `out` after `args`
+    (every argument before it given): recorded with the tensor it returned as that `out`."""
+    recorder = _recorder
+    if recorder is None:
+        return kernel(*args)
+    return recorder.kernel(kernel, args, True)
+
+
+def launch_inplace(kernel: Callable[..., Any], *args: Any) -> Any:
+    """`kernel(*args)`, a kernel that writes into its arguments: recorded as it is."""
+    recorder = _recorder
+    if recorder is None:
+        return kernel(*args)
+    return recorder.kernel(kernel, args, False)
