@@ -10,6 +10,10 @@ installed by this script only), and the rest of the step is what is left:
   dispatches them;
 * outside the model: scheduling, metadata, sampling, output bookkeeping.
 
+The timers need the model's modules to run, so that breakdown runs with decode graphs off
+(`max_graph_capture_size=0`); a second engine then runs the same steps with them on (a replay
+runs no module: only its whole step and model forward are timed).
+
     .venv/bin/python benchmarks/decode_profile.py [--dtype float32] [--quantization none] [--batch 1]
         [--kv-cache-dtype auto] [--activation-bits 16]
 
@@ -67,13 +71,41 @@ def main() -> None:
     ap.add_argument("--activation-bits", type=int, default=16, help="what 4-bit layers round x to (8 or 16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    plain, totals = measure(args, graphs=False)
+    graphed, graph_totals = measure(args, graphs=True)
+    n = args.steps
+    step = float(np.mean(plain))
+    gemm, attn, model, head = (totals[k] / n for k in ("gemm", "attention", "model", "lm_head"))
+    print(
+        f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch {args.batch}, {args.threads} threads, {n} steps"
+    )
+    print("| part | ms per step |\n|---|---|")
+    print(f"| whole step | {step * 1e3:.2f} (median {np.median(plain) * 1e3:.2f}) |")
+    print(f"| GEMMs (LM head included) | {gemm * 1e3:.2f} |")
+    print(f"| attention kernels | {attn * 1e3:.2f} |")
+    print(f"| other, inside the model forward | {(model + head - gemm - attn) * 1e3:.2f} |")
+    print(f"| outside the model (schedule, metadata, sample) | {(step - model - head) * 1e3:.2f} |")
+    print(f"| **outside GEMMs and attention** | **{(step - gemm - attn) * 1e3:.2f}** |")
+    replayed = graph_totals["model"] / n
+    print(
+        f"| whole step, decode graphs on (the default) | {np.mean(graphed) * 1e3:.2f} (median "
+        f"{np.median(graphed) * 1e3:.2f}); model forward {replayed * 1e3:.2f} |"
+    )
+
+
+def measure(args: argparse.Namespace, graphs: bool) -> tuple[list[float], dict[str, float]]:
+    """Step times of one engine; without decode graphs every GEMM and attention call timed, with
+    them (a replay runs no module) only the model forward."""
     engine = LLMEngine(
         str(fetch_default_model(quiet=True)), dtype=args.dtype, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, activation_bits=args.activation_bits, max_model_len=1024,
-        kv_cache_memory=1 << 29,
+        kv_cache_memory=1 << 29, max_graph_capture_size=8 if graphs else 0,
     )  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
-    instrument(engine, totals)
+    if graphs:
+        engine.runner.run_model = timed(engine.runner.run_model, totals, "model")
+    else:
+        instrument(engine, totals)
     for i in range(args.batch):  # distinct 32-token prompts (no prefix sharing)
         prompt = [100 + (7 * i + j) % 5000 for j in range(32)]
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True))
@@ -85,19 +117,7 @@ def main() -> None:
         t = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t)
-    n = args.steps
-    step = float(np.mean(steps))
-    gemm, attn, model, head = (totals[k] / n for k in ("gemm", "attention", "model", "lm_head"))
-    print(
-        f"SmolLM2, {args.dtype}, quantization={args.quantization}, batch {args.batch}, {args.threads} threads, {n} steps"
-    )
-    print("| part | ms per step |\n|---|---|")
-    print(f"| whole step | {step * 1e3:.2f} (median {np.median(steps) * 1e3:.2f}) |")
-    print(f"| GEMMs (LM head included) | {gemm * 1e3:.2f} |")
-    print(f"| attention kernels | {attn * 1e3:.2f} |")
-    print(f"| other, inside the model forward | {(model + head - gemm - attn) * 1e3:.2f} |")
-    print(f"| outside the model (schedule, metadata, sample) | {(step - model - head) * 1e3:.2f} |")
-    print(f"| **outside GEMMs and attention** | **{(step - gemm - attn) * 1e3:.2f}** |")
+    return steps, totals
 
 
 if __name__ == "__main__":

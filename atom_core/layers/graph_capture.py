@@ -47,8 +47,19 @@ _ALLOCATIONS = {
 }
 # aliasing ops the dispatcher does not mark as views
 _ALIASES = {aten._unsafe_view.default, aten.lift_fresh.default, aten.detach.default, aten.alias.default}
-# ops whose results depend on values in a way a replay cannot follow
-_DATA_DEPENDENT = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+# ops whose results depend on values in a way a replay cannot follow: values read back to Python
+# (`.item()`, `bool()`; `.tolist()` and `.numpy()` dispatch only the conj/neg resolution) and
+# outputs shaped by values
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.resolve_conj.default,
+    aten.resolve_neg.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_consecutive.default,
+    aten._unique2.default,
+}
 
 
 def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -93,6 +104,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._inside or func in _ALLOCATIONS:
             return func(*args, **kwargs)
+        if func in _DATA_DEPENDENT:
+            raise CaptureUnsupported(f"{func} depends on tensor values")
         # A composite op (`to`, `reshape`, `contiguous`) may copy or alias: its parts are what run.
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
             with self:
@@ -101,8 +114,6 @@ class Recorder(TorchDispatchMode):
                 return result
         if func in _ALIASES or func.is_view:
             return func(*args, **kwargs)
-        if func in _DATA_DEPENDENT:
-            raise CaptureUnsupported(f"{func} depends on tensor values")
         if not _has_tensor(args) and not _has_tensor(kwargs):  # a constant
             return func(*args, **kwargs)
         if func._schema.is_mutable:  # in place, or an out= call: repeated as it is

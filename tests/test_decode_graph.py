@@ -1,0 +1,216 @@
+"""Decode graphs (atom_core/runner/decode_graph.py): replayed steps against the plain path.
+
+For a tiny random model of each family, the same workload runs with `max_graph_capture_size=0`
+(every step module by module) and with graphs on: requests of several lengths join and leave,
+so decode batches of 1 to 3 rows repeat across block boundaries, and a pool small enough to
+preempt. Greedy tokens and logits must be identical (a replay makes the same kernel calls on the
+same values), and where the family's layers can be recorded, steps must have been replayed.
+The recorder itself is checked on torch ops, and a kernel a wrapper calls past `launch` must be
+caught before a replay answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from model_utils import build_tiny_model, random_prompts  # noqa: E402
+
+from atom_core import SamplingParams  # noqa: E402
+from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.layers import graph_capture  # noqa: E402
+from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E402
+from atom_core.layers.ops import cpu_ops  # noqa: E402
+from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
+
+# family -> whether its decode steps replay (MLA and GDN builders are not graph_safe; the MoE
+# layers read expert counts back to Python, so their forward cannot be recorded)
+FAMILIES = {
+    "llama": True,
+    "mistral": True,  # a sliding window that binds
+    "qwen2": True,  # q/k/v biases
+    "gemma2": True,  # soft-capping
+    "gemma3": True,  # rope per layer type, q/k norms
+    "phi3": True,  # partial rotary
+    "smollm3": True,  # a NoPE layer
+    "glm": True,  # rope over interleaved pairs
+    "qwen3": True,
+    "gpt_oss": False,  # sinks; MoE
+    "mixtral": False,
+    "qwen3_next": False,
+    "deepseek_v3": False,
+}
+NEW = 40  # crosses two 16-token block boundaries after the prompt
+PROMPTS = random_prompts([5, 17, 30], seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folders: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in folders:
+            folders[name] = tmp_path_factory.mktemp(name)
+            build_tiny_model(name, folders[name])
+        return folders[name]
+
+    return get
+
+
+def run(folder: Path, graphs: int, **config) -> dict:
+    config.setdefault("dtype", "float32")
+    engine = LLMEngine(folder, num_kvcache_blocks=12, max_model_len=128, max_graph_capture_size=graphs, **config)
+    # staggered lengths: batches of 3, then 2, then 1 row, each size for many steps
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for p, n in zip(PROMPTS, (NEW // 2, NEW, 3 * NEW // 2))
+    ]
+    logits: dict[int, list] = {i: [] for i in ids}
+    results = {}
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            results[r["request_id"]] = r
+        for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
+            logits[rid].append(row.clone())
+    bm = engine.scheduler.block_manager
+    return dict(
+        engine=engine,
+        tokens=[results[i]["token_ids"] for i in ids],
+        logits=[torch.stack(logits[i]) for i in ids],
+        pool_whole=bm.num_free_blocks == bm.num_blocks,
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder, family):
+    folder = tiny_folder(family)
+    plain = run(folder, 0)
+    graphed = run(folder, 8)
+    assert plain["engine"].runner.run_model is plain["engine"].runner.model
+    assert graphed["tokens"] == plain["tokens"]
+    for a, b in zip(plain["logits"], graphed["logits"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert graphed["pool_whole"] and plain["pool_whole"]
+    run_model = graphed["engine"].runner.run_model
+    replays = run_model.replays if isinstance(run_model, DecodeGraphs) else 0
+    kernels = cpu_ops() is not None  # without them attention takes the torch path, not graph_safe
+    if FAMILIES[family] and kernels:
+        # 3, 2 and 1 rows each recorded, checked once, then replayed
+        assert set(run_model.graphs) == {1, 2, 3} and all(
+            g is not None and g.checked for g in run_model.graphs.values()
+        )
+        assert replays > NEW
+    else:
+        assert replays == 0
+
+
+@pytest.mark.parametrize("config", [dict(dtype="bfloat16"), dict(quantization="int4"), dict(quantization="int8")])
+def test_replayed_steps_in_every_precision(tiny_folder, config):
+    """bfloat16 (the GEMV's bfloat16 tiles) and the 4- and 8-bit group kernels."""
+    if cpu_ops() is None:
+        pytest.skip("the decode graphs of MHA layers need the C++ attention kernel (ATOM_CPU_KERNELS=0 here)")
+    folder = tiny_folder("llama")
+    plain, graphed = run(folder, 0, **config), run(folder, 8, **config)
+    assert graphed["tokens"] == plain["tokens"]
+    for a, b in zip(plain["logits"], graphed["logits"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert graphed["engine"].runner.run_model.replays > NEW
+
+
+def test_a_kernel_called_past_launch_is_caught_before_a_replay_answers(tiny_folder, monkeypatch, caplog):
+    """A wrapper that calls its kernel directly is invisible to the recording: the graph would
+    replay without it. The check against an eager step finds the difference and the size runs eagerly."""
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("needs the C++ kernels (ATOM_CPU_KERNELS=0 here)")
+    from atom_core.layers import ops as layer_ops
+
+    monkeypatch.setattr(layer_ops, "launch", lambda kernel, *args: kernel(*args))  # silu_and_mul, the norms
+    folder = tiny_folder("llama")
+    plain = run(folder, 0)
+    with caplog.at_level(logging.WARNING, logger="atom"):
+        graphed = run(folder, 8)
+    assert graphed["tokens"] == plain["tokens"]
+    graphs = graphed["engine"].runner.run_model.graphs
+    assert graphs and all(g is None for g in graphs.values()), graphs
+    assert graphed["engine"].runner.run_model.replays == 0
+    assert any("differed from the eager step" in r.getMessage() for r in caplog.records)
+
+
+def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog):
+    folder = tiny_folder("llama")
+    with caplog.at_level(logging.INFO, logger="atom"):
+        engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=12, max_model_len=128, enforce_eager=False)
+    assert not isinstance(engine.runner.run_model, DecodeGraphs)  # the compiled path instead
+    mla = tiny_folder("deepseek_v3")
+    with caplog.at_level(logging.INFO, logger="atom"):
+        engine = LLMEngine(mla, dtype="float32", num_kvcache_blocks=12, max_model_len=128)
+    assert engine.runner.run_model is engine.runner.model
+    assert any("decode graphs off" in r.getMessage() and "not graph_safe" in r.getMessage() for r in caplog.records)
+
+
+# -- the recorder on torch ops ----------------------------------------------------------
+
+
+def test_recorded_torch_ops_replay_into_the_buffers_they_wrote():
+    a, b = torch.randn(4, 8), torch.randn(8)
+    ids = torch.tensor([2, 0])
+    with torch.inference_mode(), record() as recorder:
+        x = a[ids]  # index -> index.Tensor_out
+        y = (x * b).to(torch.float64)  # mul -> mul.out; _to_copy has no dtype-taking out=: copied in
+        z = y.reshape(-1)  # a view: not replayed
+        z.add_(1.0)  # in place: replayed as it is
+        w = y.t().contiguous()  # a copy (clone.out)
+    names = [str(fn) for fn, _, _ in recorder.calls]
+    assert names[:2] == ["aten.index.Tensor_out", "aten.mul.out"] and "aten.add_.Tensor" in names
+    assert "aten.clone.out" in names and not any("view" in n or "reshape" in n for n in names)
+    # new values in the recorded inputs: a replay writes the same buffers with the new results
+    a.copy_(torch.randn(4, 8))
+    ids.copy_(torch.tensor([1, 3]))
+    with torch.inference_mode():  # as the runner's steps run
+        for fn, args, kwargs in recorder.calls:
+            fn(*args, **kwargs)
+    expected = (a[ids] * b).double() + 1
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    torch.testing.assert_close(w, expected.t(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.tolist(),
+        lambda t: t.numpy(),
+        lambda t: int(t[0]),
+        lambda t: bool(t[0]),
+        lambda t: t.nonzero(),
+    ],
+    ids=["tolist", "numpy", "int", "bool", "nonzero"],
+)
+def test_values_read_back_to_python_make_the_recording_fail(read):
+    t = torch.tensor([1, 2, 3])
+    with pytest.raises(CaptureUnsupported, match="depends on tensor values"):
+        with torch.inference_mode(), record():
+            read(t)
+    assert not graph_capture.recording()
+
+
+def test_launch_records_the_kernels_output_as_its_out_argument():
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("needs the C++ kernels (ATOM_CPU_KERNELS=0 here)")
+    x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+    with torch.inference_mode(), record() as recorder:
+        y = graph_capture.launch(ops.rms_norm, x, w, 1e-6)
+    ((fn, args, _),) = recorder.calls
+    assert fn is ops.rms_norm and args[-1] is y
+    x.copy_(torch.randn(3, 64))
+    ptr = y.data_ptr()
+    fn(*args)
+    assert y.data_ptr() == ptr
+    torch.testing.assert_close(y, ops.rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        ops.rms_norm(x, w, 1e-6, torch.empty(2, 64))
