@@ -18,11 +18,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import require_kernel  # noqa: E402
 from model_utils import build_tiny_model, random_prompts  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import graph_capture  # noqa: E402
+from atom_core.layers.cpp import compiler, kernels_enabled  # noqa: E402
 from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E402
 from atom_core.layers.ops import cpu_ops  # noqa: E402
 from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
@@ -97,7 +99,9 @@ def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder
     assert graphed["pool_whole"] and plain["pool_whole"]
     run_model = graphed["engine"].runner.run_model
     replays = run_model.replays if isinstance(run_model, DecodeGraphs) else 0
-    kernels = cpu_ops() is not None  # without them attention takes the torch path, not graph_safe
+    # without the C++ kernels attention takes the torch path, which is not graph_safe (a kernel
+    # that failed to build where a compiler is fails here: no replays)
+    kernels = kernels_enabled() and compiler() is not None
     if FAMILIES[family] and kernels:
         # 3, 2 and 1 rows each recorded, checked once, then replayed
         assert set(run_model.graphs) == {1, 2, 3} and all(
@@ -108,11 +112,20 @@ def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder
         assert replays == 0
 
 
-@pytest.mark.parametrize("config", [dict(dtype="bfloat16"), dict(quantization="int4"), dict(quantization="int8")])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(dtype="bfloat16"),
+        dict(quantization="int4"),
+        dict(quantization="int4", activation_bits=8),
+        dict(quantization="int8"),
+        dict(kv_cache_dtype="bfloat16"),  # float32 queries over a bfloat16 cache
+    ],
+    ids=["bf16", "int4", "int4-a8", "int8", "kv-bf16"],
+)
 def test_replayed_steps_in_every_precision(tiny_folder, config):
-    """bfloat16 (the GEMV's bfloat16 tiles) and the 4- and 8-bit group kernels."""
-    if cpu_ops() is None:
-        pytest.skip("the decode graphs of MHA layers need the C++ attention kernel (ATOM_CPU_KERNELS=0 here)")
+    """bfloat16 (the GEMV's bfloat16 tiles), the 4- and 8-bit group kernels, a narrow KV cache."""
+    require_kernel(cpu_ops())  # MHA's decode graphs need the C++ attention kernel
     folder = tiny_folder("llama")
     plain, graphed = run(folder, 0, **config), run(folder, 8, **config)
     assert graphed["tokens"] == plain["tokens"]
@@ -124,9 +137,7 @@ def test_replayed_steps_in_every_precision(tiny_folder, config):
 def test_a_kernel_called_past_launch_is_caught_before_a_replay_answers(tiny_folder, monkeypatch, caplog):
     """A wrapper that calls its kernel directly is invisible to the recording: the graph would
     replay without it. The check against an eager step finds the difference and the size runs eagerly."""
-    ops = cpu_ops()
-    if ops is None:
-        pytest.skip("needs the C++ kernels (ATOM_CPU_KERNELS=0 here)")
+    require_kernel(cpu_ops())
     from atom_core.layers import ops as layer_ops
 
     monkeypatch.setattr(layer_ops, "launch", lambda kernel, *args: kernel(*args))  # silu_and_mul, the norms
@@ -199,9 +210,7 @@ def test_values_read_back_to_python_make_the_recording_fail(read):
 
 
 def test_launch_records_the_kernels_output_as_its_out_argument():
-    ops = cpu_ops()
-    if ops is None:
-        pytest.skip("needs the C++ kernels (ATOM_CPU_KERNELS=0 here)")
+    ops = require_kernel(cpu_ops())
     x, w = torch.randn(3, 64), torch.rand(64) + 0.5
     with torch.inference_mode(), record() as recorder:
         y = graph_capture.launch(ops.rms_norm, x, w, 1e-6)
