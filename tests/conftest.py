@@ -47,6 +47,23 @@ def kernel_variant(request, _kernels_built) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """`tiny_folder(name)`: the tiny random checkpoint of arch `name` (tests/model_utils.py),
+    built once per test module."""
+    from model_utils import build_tiny_model
+
+    folders = {}
+
+    def get(name: str):
+        if name not in folders:
+            folders[name] = tmp_path_factory.mktemp(name)
+            build_tiny_model(name, folders[name])
+        return folders[name]
+
+    return get
+
+
 def make_seq(n: int | list[int], block_size: int = 16, start: int = 0, **params) -> Sequence:
     """A sequence of `n` distinct tokens (or the given list), with sampling params."""
     tokens = list(range(start, start + n)) if isinstance(n, int) else list(n)

@@ -469,10 +469,14 @@ def second_wave_cached_tokens(policy: str) -> list[int]:
     return [96, 32, 112] if policy == "spyre" else [96, 64, 144]
 
 
-def run_with_logits(engine, prompts, max_tokens=NEW_TOKENS):
-    """Step the engine by hand, keeping every request's logits at every step."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+def run_with_logits(engine, prompts, max_tokens: int | list[int] = NEW_TOKENS):
+    """Step the engine by hand, keeping every request's logits at every step (greedy, EOS
+    ignored; `max_tokens` for all prompts, or one per prompt)."""
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, counts)
+    ]
     logits = {i: [] for i in ids}
     results = {}
     while engine.has_unfinished_requests():

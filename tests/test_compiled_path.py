@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import record_preemptions  # noqa: E402
-from model_utils import ARCHS, build_tiny_model, random_prompts, run_with_logits  # noqa: E402
+from model_utils import ARCHS, random_prompts, run_with_logits  # noqa: E402
 
 from atom_core import SamplingParams, get_registry  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
@@ -58,20 +58,6 @@ MAX_LEN = 128
 
 OFF = "compiled decode path off"
 FAILED = "compiling the decode path failed"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """`tiny_folder(name)`: the tiny random checkpoint of arch `name`, built once per module."""
-    folders: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in folders:
-            folders[name] = tmp_path_factory.mktemp(name)
-            build_tiny_model(name, folders[name])
-        return folders[name]
-
-    return get
 
 
 def make_engine(folder: Path, **config) -> LLMEngine:

@@ -19,9 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
-from model_utils import build_tiny_model, random_prompts  # noqa: E402
+from model_utils import random_prompts, run_with_logits  # noqa: E402
 
-from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import graph_capture  # noqa: E402
 from atom_core.layers.cpp import compiler, kernels_enabled  # noqa: E402
@@ -50,39 +49,16 @@ NEW = 40  # crosses two 16-token block boundaries after the prompt
 PROMPTS = random_prompts([5, 17, 30], seed=11)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folders: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in folders:
-            folders[name] = tmp_path_factory.mktemp(name)
-            build_tiny_model(name, folders[name])
-        return folders[name]
-
-    return get
-
-
 def run(folder: Path, graphs: int, **config) -> dict:
     config.setdefault("dtype", "float32")
     engine = LLMEngine(folder, num_kvcache_blocks=12, max_model_len=128, max_graph_capture_size=graphs, **config)
     # staggered lengths: batches of 3, then 2, then 1 row, each size for many steps
-    ids = [
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        for p, n in zip(PROMPTS, (NEW // 2, NEW, 3 * NEW // 2))
-    ]
-    logits: dict[int, list] = {i: [] for i in ids}
-    results = {}
-    while engine.has_unfinished_requests():
-        for r in engine.step():
-            results[r["request_id"]] = r
-        for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
-            logits[rid].append(row.clone())
+    results, logits = run_with_logits(engine, PROMPTS, max_tokens=[NEW // 2, NEW, 3 * NEW // 2])
     bm = engine.scheduler.block_manager
     return dict(
         engine=engine,
-        tokens=[results[i]["token_ids"] for i in ids],
-        logits=[torch.stack(logits[i]) for i in ids],
+        tokens=[r["token_ids"] for r in results],
+        logits=logits,
         pool_whole=bm.num_free_blocks == bm.num_blocks,
     )
 
