@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,6 +32,13 @@ from atom_models.llama import (
     SandwichNormDecoderLayer,
     sliding_window_of,
 )
+
+
+@functools.cache
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as transformers' `torch.tensor(value, dtype=...)` scale: a
+    Python number, which a recorded decode graph keeps (a tensor made from one it refuses)."""
+    return float(torch.tensor(value, dtype=dtype))
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -100,7 +108,7 @@ class GemmaModel(LlamaModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # rounded to the model's dtype, as transformers does
+        h = h * rounded(self.embed_scale, h.dtype)
         ropes = {t: rope(positions, h.dtype) for t, rope in self.rotary_emb.items()}
         residual = None
         for layer in self.layers:

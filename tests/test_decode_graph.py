@@ -128,6 +128,20 @@ def test_a_kernel_called_past_launch_is_caught_before_a_replay_answers(tiny_fold
     assert any("differed from the eager step" in r.getMessage() for r in caplog.records)
 
 
+def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(tiny_folder, caplog):
+    """MoE layers choose experts (`topk`, two outputs) and read their token counts back to
+    Python: recording refuses, and every step from then on runs eagerly (the family test
+    holds its tokens to the plain path's)."""
+    require_kernel(cpu_ops())
+    with caplog.at_level(logging.WARNING, logger="atom"):
+        graphed = run(tiny_folder("mixtral"), 8)
+    graphs = graphed["engine"].runner.run_model
+    assert isinstance(graphs, DecodeGraphs) and graphs.max_size == 0 and graphs.replays == 0
+    assert list(graphs.graphs.values()) == [None]  # one attempt, not one per row count
+    (line,) = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]
+    assert "aten.topk" in line and "decode steps run eagerly" in line  # the router's, before the counts
+
+
 def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog):
     folder = tiny_folder("llama")
     with caplog.at_level(logging.INFO, logger="atom"):
@@ -174,8 +188,9 @@ def test_recorded_torch_ops_replay_into_the_buffers_they_wrote():
         lambda t: int(t[0]),
         lambda t: bool(t[0]),
         lambda t: t.nonzero(),
+        lambda t: t + torch.tensor([1, 2, 3]),  # a tensor of Python values: the recorded step's at a replay
     ],
-    ids=["tolist", "numpy", "int", "bool", "nonzero"],
+    ids=["tolist", "numpy", "int", "bool", "nonzero", "tensor"],
 )
 def test_values_read_back_to_python_make_the_recording_fail(read):
     t = torch.tensor([1, 2, 3])

@@ -46,12 +46,15 @@ _ALLOCATIONS = {
     aten.new_empty_strided.default,
 }
 # aliasing ops the dispatcher does not mark as views
-_ALIASES = {aten._unsafe_view.default, aten.lift_fresh.default, aten.detach.default, aten.alias.default}
+_ALIASES = {aten._unsafe_view.default, aten.detach.default, aten.alias.default}
 # ops whose results depend on values in a way a replay cannot follow: values read back to Python
-# (`.item()`, `bool()`; `.tolist()` and `.numpy()` dispatch only the conj/neg resolution) and
-# outputs shaped by values
+# (`.item()`, `bool()`; `.tolist()` and `.numpy()` dispatch only the conj/neg resolution),
+# tensors made from Python data (`torch.tensor(...)`: a replay would keep the recorded step's)
+# and outputs shaped by values
 _DATA_DEPENDENT = {
     aten._local_scalar_dense.default,
+    aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
     aten.is_nonzero.default,
     aten.resolve_conj.default,
     aten.resolve_neg.default,

@@ -9,14 +9,14 @@ row on a small model. `ModelRunner` calls the model through `DecodeGraphs`, whic
   kernel and torch op with the buffers it wrote (`StepGraph`);
 * the second time: replays the graph, then runs the step eagerly as well, and keeps the graph
   only if the two hidden states are equal bit for bit (the replay first: an eager run would
-  write the KV a missed kernel should have, and hide it);
+  write the KV a missed kernel should have, and hide it); where they differ, or where the
+  forward cannot be recorded, every step runs eagerly from then on, said once in the log;
 * from then on: copies the step's inputs and attention metadata into the recorded tensors and
   replays.
 
 A step of another shape, or whose metadata does not fit the recorded tensors (another
 number of rows, a branch the recording did not take), runs eagerly. Only attention builders
-that declare `graph_safe` take part; a model whose forward cannot be recorded (a torch op
-without an out= form, a value read back to Python) runs eagerly, said once in the log.
+that declare `graph_safe` take part.
 """
 
 from __future__ import annotations
@@ -133,9 +133,13 @@ class DecodeGraphs:
         if torch.equal(replayed, eager):
             graph.checked = True
         else:
-            self.graphs[n] = None
-            logger.warning("atom: the decode graph of %d rows differed from the eager step; %d rows run eagerly", n, n)
+            self._off(n, "the decode graph of %d rows differed from the eager step (a kernel called past `launch`?)")
         return eager
+
+    def _off(self, n: int, why: str) -> None:
+        """Every step eagerly from now on: what failed at one row count is the model's forward."""
+        self.graphs[n], self.max_size = None, 0
+        logger.warning("atom: " + why + "; decode steps run eagerly", n)
 
     def _capture(self, n: int, input_ids: torch.Tensor, positions: torch.Tensor,
                  metas: dict[str, AttentionMetadata]) -> torch.Tensor:  # fmt: skip
@@ -145,8 +149,7 @@ class DecodeGraphs:
             with record() as recorder:
                 output = self.model(input_ids, positions)
         except CaptureUnsupported as e:
-            self.graphs[n] = None
-            logger.info("atom: decode steps of %d rows run eagerly: their forward cannot be recorded (%s)", n, e)
+            self._off(n, f"a decode step of %d rows cannot be recorded ({e})")
             return self.model(input_ids, positions)
         self.graphs[n] = StepGraph(recorder.calls, (input_ids, positions), dict(metas), output)
         return output
