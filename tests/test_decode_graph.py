@@ -92,12 +92,13 @@ def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder
     "config",
     [
         dict(dtype="bfloat16"),
+        dict(dtype="float16"),  # torch's GEMMs (aten.mm.out at a replay)
         dict(quantization="int4"),
         dict(quantization="int4", activation_bits=8),
         dict(quantization="int8"),
         dict(kv_cache_dtype="bfloat16"),  # float32 queries over a bfloat16 cache
     ],
-    ids=["bf16", "int4", "int4-a8", "int8", "kv-bf16"],
+    ids=["bf16", "fp16", "int4", "int4-a8", "int8", "kv-bf16"],
 )
 def test_replayed_steps_in_every_precision(tiny_folder, config):
     """bfloat16 (the GEMV's bfloat16 tiles), the 4- and 8-bit group kernels, a narrow KV cache."""
