@@ -28,8 +28,7 @@ from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E
 from atom_core.layers.ops import cpu_ops  # noqa: E402
 from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
 
-# family -> whether its decode steps replay (MLA and GDN builders are not graph_safe; the MoE
-# layers read expert counts back to Python, so their forward cannot be recorded)
+# family -> whether its decode steps replay (MLA and GDN builders are not graph_safe)
 FAMILIES = {
     "llama": True,
     "mistral": True,  # a sliding window that binds
@@ -40,8 +39,9 @@ FAMILIES = {
     "smollm3": True,  # a NoPE layer
     "glm": True,  # rope over interleaved pairs
     "qwen3": True,
-    "gpt_oss": False,  # sinks; MoE
-    "mixtral": False,
+    "gpt_oss": False,  # sinks; its biased experts take the torch path, which loops over counts in Python
+    "mixtral": True,  # MoE (the experts' C++ kernel takes its token counts as a tensor)
+    "qwen3_moe": True,
     "qwen3_next": False,
     "deepseek_v3": False,
 }
@@ -129,18 +129,21 @@ def test_a_kernel_called_past_launch_is_caught_before_a_replay_answers(tiny_fold
     assert any("differed from the eager step" in r.getMessage() for r in caplog.records)
 
 
-def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(tiny_folder, caplog):
-    """MoE layers choose experts (`topk`, two outputs) and read their token counts back to
-    Python: recording refuses, and every step from then on runs eagerly (the family test
-    holds its tokens to the plain path's)."""
+def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(tiny_folder, caplog, monkeypatch):
+    """MoE experts on the torch path (oneDNN's micro-kernel off) loop over their token counts in
+    Python: recording refuses, and every step from then on runs eagerly, with the plain path's tokens."""
     require_kernel(cpu_ops())
+    monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")
+    folder = tiny_folder("mixtral")
+    plain = run(folder, 0)
     with caplog.at_level(logging.WARNING, logger="atom"):
-        graphed = run(tiny_folder("mixtral"), 8)
+        graphed = run(folder, 8)
+    assert graphed["tokens"] == plain["tokens"]
     graphs = graphed["engine"].runner.run_model
     assert isinstance(graphs, DecodeGraphs) and graphs.max_size == 0 and graphs.replays == 0
     assert list(graphs.graphs.values()) == [None]  # one attempt, not one per row count
     (line,) = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]
-    assert "aten.topk" in line and "decode steps run eagerly" in line  # the router's, before the counts
+    assert "depends on tensor values" in line and "decode steps run eagerly" in line
 
 
 def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog):
@@ -170,6 +173,9 @@ def test_recorded_torch_ops_replay_into_the_buffers_they_wrote():
     names = [str(fn) for fn, _, _ in recorder.calls]
     assert names[:2] == ["aten.index.Tensor_out", "aten.mul.out"] and "aten.add_.Tensor" in names
     assert "aten.clone.out" in names and not any("view" in n or "reshape" in n for n in names)
+    with torch.inference_mode(), record() as two:
+        top = a.topk(2, dim=1)  # two outputs: topk.values(..., values, indices)
+    assert [str(fn) for fn, _, _ in two.calls] == ["aten.topk.values"]
     # new values in the recorded inputs: a replay writes the same buffers with the new results
     a.copy_(torch.randn(4, 8))
     ids.copy_(torch.tensor([1, 3]))
@@ -179,6 +185,11 @@ def test_recorded_torch_ops_replay_into_the_buffers_they_wrote():
     expected = (a[ids] * b).double() + 1
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
     torch.testing.assert_close(w, expected.t(), rtol=0, atol=0)
+    with torch.inference_mode():
+        for fn, args, kwargs in two.calls:
+            fn(*args, **kwargs)
+    torch.testing.assert_close(top.values, a.topk(2, dim=1).values, rtol=0, atol=0)
+    assert torch.equal(top.indices, a.topk(2, dim=1).indices)
 
 
 @pytest.mark.parametrize(

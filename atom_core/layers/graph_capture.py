@@ -65,19 +65,20 @@ _DATA_DEPENDENT = {
 }
 
 
-def _out_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """`func`'s `.out` twin: the overload taking the same arguments plus one `out` tensor."""
+def _out_overload(func: torch._ops.OpOverload, outputs: int) -> tuple[torch._ops.OpOverload, list[str]] | None:
+    """`func`'s out= twin and its out arguments' names: the overload taking the same arguments
+    plus one tensor per output (`out`; `values, indices` for topk and sort)."""
     signature = [(a.name, str(a.type)) for a in func._schema.arguments]
     packet = func.overloadpacket
     for overload in packet.overloads():
         op = getattr(packet, overload)
-        outs = [a for a in op._schema.arguments if a.is_out]
+        outs = [a.name for a in op._schema.arguments if a.is_out]
         if (
-            len(outs) == 1
-            and outs[0].name == "out"
+            len(outs) == outputs
+            and (outputs > 1 or outs == ["out"])
             and [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out] == signature
         ):
-            return op
+            return op, outs
     return None
 
 
@@ -124,13 +125,17 @@ class Recorder(TorchDispatchMode):
             self.calls.append((func, args, kwargs))
             return result
         result = func(*args, **kwargs)
-        if not isinstance(result, torch.Tensor):
-            raise CaptureUnsupported(f"{func} returns {type(result).__name__}, not one tensor")
-        out = _out_overload(func)
-        if out is not None:
-            self.calls.append((out, args, {**kwargs, "out": result}))
-        else:  # computed anew and copied in (`_to_copy.out` takes no dtype, for one)
+        outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+        if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs):
+            raise CaptureUnsupported(f"{func} returns {type(result).__name__}, not tensors")
+        twin = _out_overload(func, len(outputs))
+        if twin is not None:
+            op, names = twin
+            self.calls.append((op, args, {**kwargs, **dict(zip(names, outputs))}))
+        elif len(outputs) == 1:  # computed anew and copied in (`_to_copy.out` takes no dtype, for one)
             self.calls.append((_copy_into, (result, func, args, kwargs), {}))
+        else:
+            raise CaptureUnsupported(f"{func} has no out= form for its {len(outputs)} outputs")
         return result
 
     def kernel(self, kernel: Callable[..., Any], args: tuple, returns_out: bool) -> Any:

@@ -37,6 +37,7 @@ from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.checkpoint_slice import materialize, reads_slices
 from atom_core.layers.cpp import CppKernel
 from atom_core.layers.gemm import StreamingGemm, pick_gemm
+from atom_core.layers.graph_capture import launch
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
@@ -265,21 +266,24 @@ class FusedMoE(nn.Module):
         num_tokens, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         order = flat_ids.argsort(stable=True)  # assignments grouped by expert, tokens in order within one
-        counts = torch.bincount(flat_ids, minlength=self.num_local_experts).tolist()  # the one host sync
+        counts = torch.bincount(flat_ids, minlength=self.num_local_experts)
         weights = topk_weights.reshape(-1).to(torch.float32)
         if self.packed is not None:  # each token's weighted rows come back summed (in float32)
             x = hidden.to(self.packed[0].dtype).contiguous()
             ops = moe_ops()
             assert ops is not None  # packed where the kernel loaded
-            out = ops.experts_forward(x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size)
+            out = launch(
+                ops.experts_forward, x, order, counts, weights.contiguous(), k, *self.packed, self.intermediate_size
+            )
             return out.to(hidden.dtype)
+        sizes = counts.tolist()  # the one host sync (a decode graph cannot record it: this path runs eagerly)
         token_of = order // k
         x = hidden.index_select(0, token_of)
         if self.expert_gemms is None:
             x = x.to(self.w13.dtype)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(sizes):
             if n:
                 end = start + n
                 (gemm13, w13), (gemm2, w2) = self._expert_gemms(e)

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "float_convert.h"
+#include "out_tensor.h"
 
 namespace {
 
@@ -167,9 +168,15 @@ void experts_impl(const at::Tensor& hidden, const at::Tensor& order, const std::
 // w2 the same of [H, I]. Returns each token's weighted sum over its k experts, [T, H] in
 // hidden's dtype. Each task gathers its own rows and writes rows no other task writes, so
 // the sum over slots needs no atomics.
-at::Tensor experts_forward(const at::Tensor& hidden, const at::Tensor& order, const std::vector<int64_t>& counts,
+at::Tensor experts_forward(const at::Tensor& hidden, const at::Tensor& order, const at::Tensor& expert_counts,
                            const at::Tensor& weights, int64_t top_k, const at::Tensor& w13, const at::Tensor& w2,
-                           int64_t inter) {
+                           int64_t inter, const c10::optional<at::Tensor>& out) {
+  // a tensor (not a list): a recorded decode graph replays the call with this step's counts
+  TORCH_CHECK(expert_counts.scalar_type() == at::kLong && expert_counts.dim() == 1 && expert_counts.is_contiguous() &&
+                  expert_counts.device().is_cpu(),
+              "counts must be a contiguous 1-D int64 CPU tensor");
+  const std::vector<int64_t> counts(expert_counts.data_ptr<int64_t>(),
+                                    expert_counts.data_ptr<int64_t>() + expert_counts.numel());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [tokens, hidden], got ",
               hidden.sizes());
   TORCH_CHECK(order.numel() == hidden.size(0) * top_k && weights.numel() == order.numel(),
@@ -201,7 +208,7 @@ at::Tensor experts_forward(const at::Tensor& hidden, const at::Tensor& order, co
     experts_impl<float>(hidden, order, counts, weights, top_k, w13, w2, inter, slots);
   }
   // each token's sum over its k slots, in float32, written once in hidden's dtype
-  at::Tensor result = at::empty({tokens, hidden_size}, hidden.options());
+  at::Tensor result = atom::output(out, {tokens, hidden_size}, hidden.options(), "experts_forward");
   auto reduce = [&](auto* dst_p) {
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(hidden_size);
@@ -245,7 +252,8 @@ bool usable(at::ScalarType dtype) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts_forward", &experts_forward,
         "weighted MoE expert outputs summed per token; experts spread over threads (CPU, oneDNN micro-kernel)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("hidden"), py::arg("order"), py::arg("counts"), py::arg("weights"), py::arg("top_k"), py::arg("w13"),
+        py::arg("w2"), py::arg("inter"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("usable", [](const at::Tensor& like) { return usable(like.scalar_type()); },
         "whether the experts' micro-kernel runs here for this tensor's dtype");
   m.attr("PANEL") = kPanel;
