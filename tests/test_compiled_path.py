@@ -61,9 +61,8 @@ FAILED = "compiling the decode path failed"
 
 
 def make_engine(folder: Path, **config) -> LLMEngine:
-    config.setdefault(
-        "max_graph_capture_size", 0
-    )  # the plain path: module by module (decode graphs: test_decode_graph)
+    # the plain path: module by module (decode graphs are test_decode_graph's)
+    config.setdefault("max_graph_capture_size", 0)
     config.setdefault("num_kvcache_blocks", 32)
     config.setdefault("max_model_len", MAX_LEN)
     engine = LLMEngine(folder, dtype="float32", **config)

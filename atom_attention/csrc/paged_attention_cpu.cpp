@@ -600,9 +600,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (qt != ct && qt != at::kFloat) {
     const auto wide = paged_attention(q.to(at::kFloat), k_cache, v_cache, block_tables, context_lens, query_start_loc,
                                       scale, window, softcap, sinks, std::nullopt);
-    if (!out_.has_value()) return wide.to(qt);
-    auto out = atom::output(out_, q.sizes(), q.options(), "paged_attention");
-    return out.copy_(wide);
+    return atom::output(out_, q.sizes(), q.options(), "paged_attention").copy_(wide);
   }
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and cache head_dim differ");

@@ -62,7 +62,10 @@ class StepGraph:
         """Copy this step's inputs and metadata into the recorded tensors; False where they do not fit."""
         if metas.keys() != self.metas.keys():
             return False
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(self.inputs, inputs))
+        # keyed by the recorded tensor: the positions input is also the metadata's field, copied once
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            id(was): (was, now) for was, now in zip(self.inputs, inputs)
+        }
         for kind, new in metas.items():
             old = self.metas[kind]
             for (name, was), (_, now) in zip(_tensor_fields(old), _tensor_fields(new)):
@@ -70,21 +73,22 @@ class StepGraph:
                     if was is not now:
                         return False
                     continue
+                recorded = id(was)
                 if name == "block_tables" and now.shape[0] == was.shape[0] and now.shape[1] <= was.shape[1]:
                     was = was[:, : now.shape[1]]  # the columns past `now`'s keep older blocks: never read
-                copies.append((was, now))
+                copies[recorded] = (was, now)
             if old.extra.keys() != new.extra.keys():
                 return False
             for key, was in old.extra.items():
                 now = new.extra[key]
                 if isinstance(was, torch.Tensor):
-                    copies.append((was, now))
+                    copies[id(was)] = (was, now)
                 elif not _same(was, now):  # a value the recorded step branched on
                     return False
         if any(not isinstance(now, torch.Tensor) or was.shape != now.shape or was.dtype != now.dtype
-               for was, now in copies):  # fmt: skip
+               for was, now in copies.values()):  # fmt: skip
             return False
-        for was, now in copies:
+        for was, now in copies.values():
             if was.data_ptr() != now.data_ptr():
                 was.copy_(now)
         return True

@@ -1,6 +1,6 @@
 // A kernel's output tensor: the caller's `out` where it passes one, else a new tensor.
 //
-// A replayed decode graph (atom_core/runner/cpu_graph.py) passes the buffer the kernel wrote at
+// A replayed decode graph (atom_core/runner/decode_graph.py) passes the buffer the kernel wrote at
 // capture, so that every later kernel of the graph, which holds that buffer, reads this step's
 // values. The buffer must be exactly what the kernel would allocate: a wrong one is an error, never
 // a write past its end.
