@@ -123,6 +123,20 @@ class CppKernel:
         ns = f"{self.name}_{variant_name}"
         return [*COMMON_CFLAGS, *variant(variant_name).cflags, f"-DATOM_VARIANT={variant_name}", f"-DATOM_OPS_NS={ns}"]
 
+    def compile_command(self, variant_name: str, cxx: str, output: Path) -> list[str]:
+        """The command that compiles this kernel's `variant_name` build to an object file with
+        `cxx`, flags as torch's builder passes them: how a cross compiler checks that the
+        portable variant builds on other CPUs (scripts/cross_build.sh)."""
+        import sysconfig
+
+        from torch.utils import cpp_extension
+
+        includes = [f"-I{INCLUDE_DIR}", *(f"-isystem{p}" for p in cpp_extension.include_paths())]
+        includes.append(f"-isystem{sysconfig.get_paths()['include']}")
+        defines = [f"-DTORCH_EXTENSION_NAME={self.module_name(variant_name)}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+        return [cxx, *defines, *includes, "-fPIC", "-std=c++20", *self.cflags(variant_name), "-c", str(self.source),
+                "-o", str(output)]  # fmt: skip
+
     def build_dir(self, variant_name: str) -> Path:
         path = build_root() / self.module_name(variant_name)
         path.mkdir(parents=True, exist_ok=True)
