@@ -64,6 +64,21 @@ def _seed(inst: object, attr: attrs.Attribute, value: object) -> None:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {value!r}")
 
 
+# The most completions one request may ask for (`n`), here and on the server.
+MAX_N = 64
+
+
+def _n(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_N:
+        raise ValueError(f"n must be an integer between 1 and {MAX_N}, got {value!r}")
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a request's completion j of n: the request's own for the first, seed + j
+    after it (wrapped into torch's seed range), so that seeded completions differ and repeat."""
+    return seed if seed is None or j == 0 else (seed + j) % 2**64
+
+
 def _num_logprobs(inst: object, attr: attrs.Attribute, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
         raise ValueError(
@@ -203,6 +218,9 @@ class SamplingParams:
     # ignore_eos or not: vLLM's per-request stop_token_ids.
     stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
     seed: int | None = attrs.field(default=None, converter=_int_like, validator=_seed)
+    # Completions of the prompt (vLLM's n): `generate` and `chat` run n requests, completion j
+    # seeded `choice_seed(seed, j)`, and return them together (a result's "outputs").
+    n: int = attrs.field(default=1, converter=_int_like, validator=_n)
     # Log probabilities (vLLM's): for each generated token its own and the top n; for each
     # prompt token after the first likewise. Raw logits' log-softmax, before temperature.
     # -1: the whole vocabulary (within the engine's `max_logprobs`, as in vLLM).
@@ -222,12 +240,15 @@ class SamplingParams:
             fields["stop_strings"] = stop
         unknown = sorted(set(fields) - {f.alias for f in attrs.fields(type(self))})
         if unknown:
-            hint = " (n: pass the prompt n times, seeded apart; the server takes n)" if "n" in unknown else ""
             names = ", ".join(f.alias for f in attrs.fields(type(self)))
-            raise TypeError(
-                f"SamplingParams has no field {', '.join(map(repr, unknown))}{hint}; its fields: stop, {names}"
-            )
+            raise TypeError(f"SamplingParams has no field {', '.join(map(repr, unknown))}; its fields: stop, {names}")
         self.__attrs_init__(**fields)
+
+    def for_choice(self, j: int) -> SamplingParams:
+        """The settings of completion j of `n`: one completion, seeded `choice_seed(seed, j)`."""
+        child = attrs.evolve(self)
+        child.n, child.seed = 1, choice_seed(self.seed, j)
+        return child
 
     @property
     def stop(self) -> list[str]:

@@ -11,8 +11,12 @@ torch = pytest.importorskip("torch")
 from model_utils import build_tiny_model, hf_greedy  # noqa: E402
 
 from atom_core import RequestOutput, SamplingParams  # noqa: E402
-from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.engine.llm_engine import (
+    COMPLETION_KEYS,  # noqa: E402
+    LLMEngine,  # noqa: E402
+)
 from atom_core.runner.sampler import Penalties, Sampler, SamplingMetadata, apply_penalties  # noqa: E402
+from atom_core.sampling_params import choice_seed  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 30)), [7]]
@@ -347,8 +351,9 @@ def test_sampling_params_take_vllms_stop_and_name_fields_they_lack():
     assert params.stop_strings == params.stop == ["\n"] and attrs.evolve(params, max_tokens=3).stop == ["\n"]
     with pytest.raises(TypeError, match="not both"):
         SamplingParams(stop=["a"], stop_strings=["b"])
-    with pytest.raises(TypeError, match="no field 'n' .*pass the prompt n times"):
-        SamplingParams(n=2)
+    for bad in (0, 65, 1.5, True):
+        with pytest.raises(ValueError, match=f"n must be an integer between 1 and 64, got {bad!r}"):
+            SamplingParams(n=bad)
     with pytest.raises(TypeError, match="no field 'best_of'"):
         SamplingParams(best_of=2)
 
@@ -392,6 +397,36 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     assert mixed[1]["token_ids"] == alone
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True)
     assert engine.generate(PROMPTS[1], reseeded, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_n_completions_come_together_seeded_apart_and_leave_the_pool_whole(engine, tiny):
+    """vLLM's n: a prompt's completions under "outputs", completion j seeded seed + j (the
+    server's convention), greedy ones alike; add_request, which queues one, refuses n > 1."""
+    free = engine.scheduler.block_manager.num_free_blocks
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7, ignore_eos=True, n=3)
+    results = engine.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(results) == 2
+    for prompt, r in zip(PROMPTS[:2], results):
+        outs = r["outputs"]
+        assert [o["index"] for o in outs] == [0, 1, 2] and len({o["request_id"] for o in outs}) == 3
+        assert r["token_ids"] == outs[0]["token_ids"] and r["request_id"] == outs[0]["request_id"]
+        for j, o in enumerate(outs):
+            alone = SamplingParams(temperature=1.0, max_tokens=10, seed=7 + j, ignore_eos=True)
+            assert o["token_ids"] == engine.generate(prompt, alone, use_tqdm=False)[0]["token_ids"]
+            assert o["finish_reason"] == "max_tokens" and len(o["token_ids"]) == 10
+        assert len({tuple(o["token_ids"]) for o in outs}) > 1  # seeded apart
+    greedy = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, n=2), use_tqdm=False)[0]
+    assert [o["token_ids"] for o in greedy["outputs"]] == [hf_greedy(tiny[1], PROMPTS[0], 12)] * 2
+    single = engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    assert single["outputs"] == [{"index": 0, **{k: single[k] for k in COMPLETION_KEYS}}]
+    with pytest.raises(ValueError, match="n=2: add_request queues one completion"):
+        engine.add_request(PROMPTS[0], SamplingParams(n=2))
+    assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_free_blocks == free
+
+
+def test_choice_seeds_stay_in_torchs_range():
+    assert choice_seed(None, 3) is None and choice_seed(-5, 0) == -5 and choice_seed(2**64 - 1, 2) == 1
+    assert SamplingParams(seed=2**64 - 1, n=3).for_choice(2).seed == 1
 
 
 def test_top_k_1_is_greedy(engine):

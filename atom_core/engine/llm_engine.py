@@ -20,6 +20,17 @@ from atom_core.engine.output_processor import final_text
 from atom_core.request import RequestOutput
 from atom_core.sampling_params import SamplingParams
 
+# A result's keys that belong to one completion (vLLM's CompletionOutput); the rest (prompt,
+# its token counts and logprobs, timings of the first) are the request's.
+COMPLETION_KEYS = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "logprobs")
+
+
+def _with_outputs(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One prompt's result from its n completions' own: the first one's keys, and under
+    "outputs" every completion's `COMPLETION_KEYS` with its index (vLLM's `outputs`)."""
+    outputs = [{"index": j, **{k: r[k] for k in COMPLETION_KEYS}} for j, r in enumerate(choices)]
+    return {**choices[0], "outputs": outputs}
+
 
 def _is_token_list(prompt: Any) -> bool:
     """A list of token ids, not a list of prompts."""
@@ -70,6 +81,11 @@ class LLMEngine:
     ) -> int:
         """Queue one prompt; returns its request id. Errors leave nothing queued."""
         params = self.core.check_params(sampling_params or SamplingParams())
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: add_request queues one completion (queue the prompt n times with "
+                "sampling_params.for_choice(j)); generate() and chat() take n"
+            )
         ids = self._token_ids(prompt)
         return self._add(ids, params, stream_callback, self.core.grammar(params), prompt)
 
@@ -129,8 +145,9 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One result per prompt, in prompt order. Requests queued with `add_request` run
-        alongside; their results stay for `step()` to return."""
+        """One result per prompt, in prompt order; a prompt whose `n` asks for more than one
+        completion gets them under the result's "outputs" (its other keys: the first's).
+        Requests queued with `add_request` run alongside; their results stay for `step()`."""
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [cast("str | list[int]", prompts)]
         elif not isinstance(prompts, SequenceABC):
@@ -148,10 +165,14 @@ class LLMEngine:
             params = [self.core.check_params(sampling_params or SamplingParams())] * len(prompts)
         token_ids = [self._token_ids(p) for p in prompts]  # every prompt checked before any is queued
         grammars = [self.core.grammar(sp) for sp in params]
-        ids = [self._add(t, sp, None, g, p) for t, p, sp, g in zip(token_ids, prompts, params, grammars)]
-        return self._run(ids, use_tqdm)
+        ids = [
+            [self._add(t, sp.for_choice(j), None, g, p) for j in range(sp.n)]
+            for t, p, sp, g in zip(token_ids, prompts, params, grammars)
+        ]
+        done = self._run([i for choices in ids for i in choices], use_tqdm)
+        return [_with_outputs([done[i] for i in choices]) for choices in ids]
 
-    def _run(self, ids: list[int], use_tqdm: bool) -> list[dict[str, Any]]:
+    def _run(self, ids: list[int], use_tqdm: bool) -> dict[int, dict[str, Any]]:
         from tqdm.auto import tqdm
 
         results: dict[int, dict[str, Any]]
@@ -173,7 +194,7 @@ class LLMEngine:
                     self.abort(rid)
                     self.core.requests.pop(rid, None)
                 raise
-        return [results[i] for i in ids]
+        return results
 
     def chat(
         self,

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.engine.chat_template import chat_text
+from atom_core.sampling_params import MAX_N, choice_seed
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
@@ -52,7 +53,6 @@ KNOWN_FIELDS = frozenset(
 )
 # vLLM's older per-kind fields, read as `structured_outputs` entries.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-MAX_N = 64
 # SamplingParams fields under another name in a request body
 API_NAMES = {"stop_strings": "stop", "structured_output": "response_format"}
 
@@ -351,11 +351,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
             raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}", "n")
         # One request per choice: prompt p's children are choices p * n ... p * n + n - 1, a
         # seeded request's child j seeded seed + j (greedy children are alike).
-        jobs = [
-            (ids, {**params, "seed": None if params["seed"] is None else params["seed"] + j})
-            for ids in prompts
-            for j in range(n)
-        ]
+        jobs = [(ids, {**params, "seed": choice_seed(params["seed"], j)}) for ids in prompts for j in range(n)]
         created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
