@@ -28,7 +28,7 @@ from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E
 from atom_core.layers.ops import cpu_ops  # noqa: E402
 from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
 
-# family -> whether its decode steps replay (MLA and GDN builders are not graph_safe)
+# family -> whether its decode steps replay (the GDN builder is not graph_safe)
 FAMILIES = {
     "llama": True,
     "mistral": True,  # a sliding window that binds
@@ -43,7 +43,8 @@ FAMILIES = {
     "mixtral": True,  # MoE (the experts' C++ kernel takes its token counts as a tensor)
     "qwen3_moe": True,
     "qwen3_next": False,
-    "deepseek_v3": False,
+    "deepseek_v3": True,  # MLA on the C++ kernel
+    "deepseek_v2_group": True,  # MLA with a q_lora
 }
 NEW = 40  # crosses two 16-token block boundaries after the prompt
 PROMPTS = random_prompts([5, 17, 30], seed=11)
@@ -151,9 +152,9 @@ def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog):
     with caplog.at_level(logging.INFO, logger="atom"):
         engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=12, max_model_len=128, enforce_eager=False)
     assert not isinstance(engine.runner.run_model, DecodeGraphs)  # the compiled path instead
-    mla = tiny_folder("deepseek_v3")
+    gdn = tiny_folder("qwen3_next")
     with caplog.at_level(logging.INFO, logger="atom"):
-        engine = LLMEngine(mla, dtype="float32", num_kvcache_blocks=12, max_model_len=128)
+        engine = LLMEngine(gdn, dtype="float32", num_kvcache_blocks=12, max_model_len=128)
     assert engine.runner.run_model is engine.runner.model
     assert any("decode graphs off" in r.getMessage() and "not graph_safe" in r.getMessage() for r in caplog.records)
 

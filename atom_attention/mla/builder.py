@@ -41,6 +41,11 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         self.kv_cache: torch.Tensor | None = None
         self.impl = (self.impl_cls or default_impl_cls(self.device))()
 
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """The C++ kernel's decode, as MHA's: every value it reads is a metadata tensor."""
+        return isinstance(self.impl, CpuMLAAttention)
+
     def compute_block_bytes(self) -> int:
         return len(self.layers) * self.block_size * self.latent_dim * self.dtype.itemsize
 

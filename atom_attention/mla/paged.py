@@ -25,6 +25,7 @@ from atom_attention.mha.torch_paged import (
     decode_chunks,
     rectangular_masks,
 )
+from atom_core.layers.graph_capture import launch
 from atom_core.plugin_api import AttentionMetadata
 
 # Up to this many new tokens per request, the C++ kernel serves the row, absorbed.
@@ -223,7 +224,7 @@ class CpuMLAAttention(TorchMLAAttention):
                 tables, lens, starts = meta.block_tables, meta.context_lens, meta.query_start_loc
             else:
                 tables, lens, starts = meta.block_tables[:nk], meta.context_lens[:nk], meta.query_start_loc[: nk + 1]
-            o = self.ops.paged_attention(q, cache, cache, tables, lens, starts, layer.scale)
+            o = launch(self.ops.paged_attention, q, cache, cache, tables, lens, starts, layer.scale, 0, 0.0, None)
             out[:t] = absorb_output(layer, o[..., :rank])
         if nk == meta.num_reqs:
             return out
