@@ -63,8 +63,16 @@ def check_device(value: str) -> None:
         device = torch.device(value)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={value!r}, but this torch has no CUDA device (torch.cuda.is_available() is False)")
+    if device.type == "cpu":
+        return
+    if device.type == "meta":
+        raise ValueError(f"device={value!r} holds no data (shapes only); run models on 'cpu' or an accelerator")
+    backend = getattr(torch, device.type, None)
+    if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        raise ValueError(
+            f"device={value!r}, but this torch has no {device.type.upper()} device "
+            f"(torch.{device.type}.is_available() is not True)"
+        )
 
 
 def _max_logprobs(inst: Any, attr: attrs.Attribute, value: Any) -> None:

@@ -301,5 +301,10 @@ def test_unreadable_gguf_files_are_named_and_settings_checked_first(tmp_path, mo
         LLMEngine(good, device="cuda")
     with pytest.raises(ValueError, match="device must be a torch device string .* got 'gpu'"):
         LLMEngine(good, device="gpu")
+    with pytest.raises(ValueError, match=r"device='meta' holds no data \(shapes only\)"):
+        LLMEngine(good, device="meta")
+    if not torch.xpu.is_available():
+        with pytest.raises(ValueError, match="device='xpu:0', but this torch has no XPU device"):
+            LLMEngine(good, device="xpu:0")
     models = tmp_path / "cache" / "models"
     assert not models.exists() or list(models.iterdir()) == []  # no partial conversion either
