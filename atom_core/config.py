@@ -67,8 +67,8 @@ def check_device(value: str) -> None:
         return
     if device.type == "meta":
         raise ValueError(f"device={value!r} holds no data (shapes only); run models on 'cpu' or an accelerator")
-    backend = getattr(torch, device.type, None)
-    if not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+    is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+    if not callable(is_available) or is_available() is not True:
         raise ValueError(
             f"device={value!r}, but this torch has no {device.type.upper()} device "
             f"(torch.{device.type}.is_available() is not True)"
