@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernel in `csrc/`, built per CPU variant on first use (see `atom_core.layers.cpp`)."""
+"""The C++ CPU attention kernels in `csrc/`, built per CPU variant on first use (see `atom_core.layers.cpp`)."""
 
 from __future__ import annotations
 
@@ -12,5 +12,12 @@ PAGED_ATTENTION_KERNEL = CppKernel(
 )
 
 
+GDN_KERNEL = CppKernel("atom_gdn_cpu", Path(__file__).parent / "csrc" / "gdn_cpu.cpp")
+
+
 def load(variant: str | None = None) -> ModuleType | None:
     return PAGED_ATTENTION_KERNEL.load(variant)
+
+
+def load_gdn(variant: str | None = None) -> ModuleType | None:
+    return GDN_KERNEL.load(variant)

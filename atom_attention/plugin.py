@@ -13,3 +13,4 @@ def atom_register_attention_builders(registry):
 @hookimpl
 def atom_register_cpp_kernels(registry):
     registry.register("paged_attention", "atom_attention.cpu_kernels:PAGED_ATTENTION_KERNEL")
+    registry.register("gdn", "atom_attention.cpu_kernels:GDN_KERNEL")

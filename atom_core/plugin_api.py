@@ -48,6 +48,7 @@ _LAZY = {
     "AttentionMetadataBuilder": "atom_core.runner.attention_builder",
     "BuilderContext": "atom_core.runner.attention_builder",
     "KVCacheTensor": "atom_core.runner.attention_builder",
+    "STEP_ONLY": "atom_core.runner.attention_builder",
     "Drafts": "atom_core.runner.proposer",
     "ProposalInput": "atom_core.runner.proposer",
     "Proposer": "atom_core.runner.proposer",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, moe_tensors
     from atom_core.platform.memory import empty_resident
     from atom_core.runner.attention_builder import (
+        STEP_ONLY,
         AttentionMetadata,
         AttentionMetadataBuilder,
         BuilderContext,
@@ -107,6 +109,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "SKIP",
+    "STEP_ONLY",
     "AttentionMetadata",
     "AttentionMetadataBuilder",
     "BuilderContext",

@@ -1,4 +1,5 @@
-"""Gated DeltaNet kernel speed: atom_attention.gdn.ops against transformers' torch fallback.
+"""Gated DeltaNet kernel speed: Atom's C++ decode step and atom_attention.gdn.ops against transformers'
+torch fallback.
 
 One Qwen3-Next linear-attention layer's shapes (16 key heads, 32 value heads, head dims
 128, float32 state). Decode: one token for batch 1/8/64 requests whose states live in a
@@ -56,7 +57,10 @@ def main() -> None:
 
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
+    from atom_attention.gdn.builder import CpuGDNImpl
     from atom_attention.gdn.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
+
+    cpp = CpuGDNImpl()  # the engine's decode step on CPU (csrc/gdn_cpu.cpp)
 
     hk, hv, dk, dv = args.hk, args.hv, args.dk, args.dv
     print(f"threads={args.threads} Hk={hk} Hv={hv} Dk={dk} Dv={dv} (float32)")
@@ -83,6 +87,10 @@ def main() -> None:
         out = recurrent_gated_delta_rule_step(q, k, v, g, beta, p, slots)
         torch.testing.assert_close(out, ref[:, 0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(p[slots], ref_state, atol=1e-4, rtol=1e-4)
+        p = pool.clone()
+        out = cpp.decode_step(q, k, v, g, beta, p, slots)
+        torch.testing.assert_close(out, ref[:, 0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(p[slots], ref_state, atol=1e-4, rtol=1e-4)
 
         def run_hf():
             _, st = qn.torch_recurrent_gated_delta_rule(
@@ -97,10 +105,12 @@ def main() -> None:
             )
             pool_hf.index_copy_(0, slots, st)
 
+        t_cpp = bench(lambda: cpp.decode_step(q, k, v, g, beta, pool, slots))
         t_atom = bench(lambda: recurrent_gated_delta_rule_step(q, k, v, g, beta, pool, slots))
         t_hf = bench(run_hf)
         print(
-            f"  B={B:3d}: atom {t_atom * 1e3:8.3f} ms  transformers {t_hf * 1e3:8.3f} ms  speedup x{t_hf / t_atom:.2f}"
+            f"  B={B:3d}: atom C++ {t_cpp * 1e3:8.3f} ms  atom torch {t_atom * 1e3:8.3f} ms  transformers "
+            f"{t_hf * 1e3:8.3f} ms  C++ over torch x{t_atom / t_cpp:.2f}, over transformers x{t_hf / t_cpp:.2f}"
         )
 
     T = args.prompt

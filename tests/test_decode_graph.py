@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from conftest import require_kernel  # noqa: E402
 from model_utils import random_prompts, run_with_logits  # noqa: E402
 
+from atom_attention.gdn.builder import GDNImpl, GDNMetadataBuilder  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import graph_capture  # noqa: E402
 from atom_core.layers.cpp import compiler, kernels_enabled  # noqa: E402
@@ -28,7 +29,7 @@ from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E
 from atom_core.layers.ops import cpu_ops  # noqa: E402
 from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
 
-# family -> whether its decode steps replay (the GDN builder is not graph_safe)
+# family -> whether its decode steps replay
 FAMILIES = {
     "llama": True,
     "mistral": True,  # a sliding window that binds
@@ -42,7 +43,8 @@ FAMILIES = {
     "gpt_oss": False,  # sinks; its biased experts take the torch path, which loops over counts in Python
     "mixtral": True,  # MoE (the experts' C++ kernel takes its token counts as a tensor)
     "qwen3_moe": True,
-    "qwen3_next": False,
+    "qwen3_next": True,  # GDN (its C++ decode step) beside gated full attention, MoE
+    "qwen3_5": True,
     "deepseek_v3": True,  # MLA on the C++ kernel
     "deepseek_v2_group": True,  # MLA with a q_lora
 }
@@ -147,14 +149,15 @@ def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(tiny_fo
     assert "depends on tensor values" in line and "decode steps run eagerly" in line
 
 
-def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog):
+def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog, monkeypatch):
     folder = tiny_folder("llama")
     with caplog.at_level(logging.INFO, logger="atom"):
         engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=12, max_model_len=128, enforce_eager=False)
     assert not isinstance(engine.runner.run_model, DecodeGraphs)  # the compiled path instead
-    gdn = tiny_folder("qwen3_next")
+    # GDN's torch decode step takes its slots as Python values: not graph_safe
+    monkeypatch.setattr(GDNMetadataBuilder, "impl_cls", GDNImpl)
     with caplog.at_level(logging.INFO, logger="atom"):
-        engine = LLMEngine(gdn, dtype="float32", num_kvcache_blocks=12, max_model_len=128)
+        engine = LLMEngine(tiny_folder("qwen3_next"), dtype="float32", num_kvcache_blocks=12, max_model_len=128)
     assert engine.runner.run_model is engine.runner.model
     assert any("decode graphs off" in r.getMessage() and "not graph_safe" in r.getMessage() for r in caplog.records)
 

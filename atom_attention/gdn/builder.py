@@ -19,13 +19,18 @@ checkpoint slots, running the delta rule piecewise up to each (`ScheduledBatch.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from atom_attention import cpu_kernels
 from atom_attention.gdn import ops as gdn_ops
+from atom_core.layers.graph_capture import launch
 from atom_core.plugin_api import (
+    STEP_ONLY,
     AttentionMetadata,
     AttentionMetadataBuilder,
     KVCacheTensor,
@@ -40,8 +45,10 @@ _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 class GDNMetadata:
     """The GDN view of one step (in `AttentionMetadata.extra["gdn"]`), rows in batch order."""
 
-    slots_cpu: np.ndarray  # [num_reqs] state slot (per-request group) of each row
-    init_slots_cpu: np.ndarray  # [num_reqs] slot a continuing row starts from: its own, or a checkpoint
+    # [num_reqs] state slot (per-request group) of each row; decode rows read `decode_slots`
+    slots_cpu: np.ndarray = attrs.field(metadata={STEP_ONLY: True})
+    # [num_reqs] slot a continuing row starts from: its own, or a checkpoint (prompt rows)
+    init_slots_cpu: np.ndarray = attrs.field(metadata={STEP_ONLY: True})
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     has_initial_state_cpu: np.ndarray  # [num_reqs] bool: the row continues earlier tokens
     is_decode_cpu: np.ndarray  # [num_reqs] bool: one token continuing a state (batched step path)
@@ -55,6 +62,10 @@ class GDNMetadata:
 
 class GDNImpl:
     """Plain-torch kernels (`gdn_ops`): batched step for decode rows, chunked per prompt chunk."""
+
+    def decode_step(self, q, k, v, g, beta, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each decode row: `gdn_ops.recurrent_gated_delta_rule_step`'s contract."""
+        return gdn_ops.recurrent_gated_delta_rule_step(q, k, v, g, beta, states, slots)
 
     def forward(
         self, layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta: AttentionMetadata
@@ -79,7 +90,7 @@ class GDNImpl:
             idx, slots = gm.decode_token_idx, gm.decode_slots
             x = gdn_ops.causal_conv1d_update(mixed_qkv[idx], weight, bias, layer.conv_state, slots)
             q, k, v = split(x)
-            out[idx] = gdn_ops.recurrent_gated_delta_rule_step(q, k, v, g[idx], beta[idx], layer.ssm_state, slots)
+            out[idx] = self.decode_step(q, k, v, g[idx], beta[idx], layer.ssm_state, slots)
         cu = gm.query_start_loc_cpu
         for r in gm.prefill_rows:
             s, e, slot = int(cu[r]), int(cu[r + 1]), int(gm.slots_cpu[r])
@@ -110,6 +121,28 @@ class GDNImpl:
         return out
 
 
+class CpuGDNImpl(GDNImpl):
+    """Decode rows through the C++ step (`csrc/gdn_cpu.cpp`): each state read from memory once
+    and written once, where the torch step streams it three times; prompt chunks as `GDNImpl`."""
+
+    def __init__(self):
+        self.ops = cpu_kernels.load_gdn()
+        if self.ops is None:
+            raise RuntimeError("Atom's C++ GDN kernel did not build; see the warning logged above")
+
+    def decode_step(self, q, k, v, g, beta, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        q, k = gdn_ops.prep_qk(q, k, v.shape[1], True, None)
+        f32 = [t.float().contiguous() for t in (v, g, beta)]
+        return launch(self.ops.gdn_decode_step, q.contiguous(), k.contiguous(), *f32, states, slots).to(v.dtype)
+
+
+def default_impl_cls(device: torch.device) -> type:
+    """The C++ decode step on CPU when it builds; the torch step otherwise."""
+    if device.type == "cpu" and cpu_kernels.load_gdn() is not None:
+        return CpuGDNImpl
+    return GDNImpl
+
+
 def _conv_state_at(conv0: torch.Tensor | None, x: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:
     """The conv state after the first `offset` tokens of `x` (the last K-1 pre-conv inputs),
     as `causal_conv1d` would return it for a row ending there."""
@@ -131,7 +164,7 @@ class GDNOptions:
 class GDNMetadataBuilder(AttentionMetadataBuilder):
     """No paged blocks; one conv + one recurrent state per GDN layer per request slot."""
 
-    impl_cls: type | None = GDNImpl
+    impl_cls: type | None = None  # None: `default_impl_cls(device)`
     options_class = GDNOptions
 
     def __init__(self, context, layers):
@@ -141,9 +174,31 @@ class GDNMetadataBuilder(AttentionMetadataBuilder):
             raise ValueError(f"GDN layers of one model must share their state shapes; got {sorted(shapes)}")
         self.conv_dim, self.kernel_size, self.num_v_heads, self.head_k_dim, self.head_v_dim = shapes.pop()
         self.state_dtype = _STATE_DTYPES[self.options.gdn_state_dtype]
-        self.impl = self.impl_cls()
+        self.impl = (self.impl_cls or default_impl_cls(self.device))()
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+
+    @property
+    def graph_safe(self) -> bool:  # type: ignore[override]
+        """The C++ decode step reads its slots from a tensor; the torch step on CPU takes each
+        slot's row as a Python value, which a replay would keep from the recorded step."""
+        return isinstance(self.impl, CpuGDNImpl)
+
+    def replayable(self, meta: AttentionMetadata) -> bool:
+        """Steps whose rows all take the batched decode step (none loads or saves a checkpoint)."""
+        return len(meta.extra["gdn"].prefill_rows) == 0
+
+    def snapshot_state(self, meta: AttentionMetadata) -> Callable[[], None] | None:
+        """A decode step advances its rows' conv and recurrent states in place: copies of those
+        rows, and what writes them back."""
+        slots = meta.extra["gdn"].decode_slots
+        conv, ssm = self.conv_state[:, slots], self.ssm_state[:, slots]  # (indexing copies)
+
+        def restore() -> None:
+            self.conv_state[:, slots] = conv
+            self.ssm_state[:, slots] = ssm
+
+        return restore
 
     def compute_block_bytes(self) -> int:
         return 0

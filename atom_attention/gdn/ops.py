@@ -64,7 +64,7 @@ def expand_qk_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_v_heads // hk, dim=-2)
 
 
-def _prep_qk(
+def prep_qk(
     q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32, head-expanded, (optionally) L2-normalised q/k, with q pre-scaled."""
@@ -120,7 +120,7 @@ def chunk_gated_delta_rule(
     if T == 0:
         return v.new_zeros(0, h, dv), state.to(state_dtype)
 
-    q, k = _prep_qk(q, k, h, use_qk_l2norm, scale)
+    q, k = prep_qk(q, k, h, use_qk_l2norm, scale)
     v = v.float()
     g = g.float()
     beta = beta.float()
@@ -188,7 +188,7 @@ def recurrent_gated_delta_rule(
     T, h, dv = v.shape
     dk = k.shape[-1]
     state = _init_state(initial_state, h, dk, dv, torch.float32, v.device)
-    q, k = _prep_qk(q, k, h, use_qk_l2norm, scale)
+    q, k = prep_qk(q, k, h, use_qk_l2norm, scale)
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.empty(T, h, dv, dtype=torch.float32, device=v.device)
     for t in range(T):
@@ -235,7 +235,7 @@ def recurrent_gated_delta_rule_step(
 def _step_rows(q, k, v, g, beta, states, slots, use_qk_l2norm=True, scale=None) -> torch.Tensor:
     """Decode step updating each pool row in place through a view (CPU path)."""
     B, h, dv = v.shape
-    q, k = _prep_qk(q, k, h, use_qk_l2norm, scale)  # [B, H, Dk] float32
+    q, k = prep_qk(q, k, h, use_qk_l2norm, scale)  # [B, H, Dk] float32
     decay = g.float().exp()[:, :, None, None]  # [B, H, 1, 1]
     qk = torch.stack((q, k), dim=-2)  # [B, H, 2, Dk]
     qk = qk.to(states.dtype)
@@ -257,7 +257,7 @@ def _step_gathered(q, k, v, g, beta, states, slots, use_qk_l2norm=True, scale=No
     """Decode step as one gather, batched math, one ``index_copy_`` (accelerator path)."""
     B, h, dv = v.shape
     dk = k.shape[-1]
-    q, k = _prep_qk(q, k, h, use_qk_l2norm, scale)  # [B, H, Dk] float32
+    q, k = prep_qk(q, k, h, use_qk_l2norm, scale)  # [B, H, Dk] float32
     S = states.index_select(0, slots).float()  # [B, H, Dk, Dv] (a fresh copy)
     decay = g.float().exp()  # [B, H]
     bh = B * h

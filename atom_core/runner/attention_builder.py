@@ -12,6 +12,7 @@ manager and runner stay untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -21,6 +22,10 @@ import torch
 from atom_core.config import Config
 from atom_core.kv.layout import KVLayout, KVPoolPlan
 from atom_core.plugins.options import plugin_options
+
+# attrs field metadata key: a field of an `AttentionMetadata.extra` object that a `replayable`
+# step never reads (prompt rows' bookkeeping); decode graphs neither compare nor copy it.
+STEP_ONLY = "atom_step_only"
 
 if TYPE_CHECKING:
     from atom_core.sched.batch import ScheduledBatch
@@ -99,9 +104,11 @@ class AttentionMetadataBuilder:
     impl_cls: type | None = None
     # Whether decode graphs (atom_core/runner/decode_graph.py) may replay this builder's layers:
     # its kernels read a step's values only from the tensors of its `AttentionMetadata` (the
-    # fields and `extra`), a step with the same rows and query lengths takes the same path
-    # through them, and a step's forward run twice leaves what one run leaves (paged KV is
-    # rewritten with the same values; per-request state would advance twice).
+    # fields and `extra`; an attrs object in `extra` counts field by field, and a field marked
+    # `metadata={STEP_ONLY: True}` is one a decode step never reads), and a step with the same
+    # rows and query lengths takes the same path through them. A step run twice must leave
+    # what one run leaves (paged KV is rewritten with the same values), or `snapshot_state`
+    # must say what it advances (per-request state).
     graph_safe: bool = False
     # The builder's own settings: an attrs class read from `Config.additional_config`
     # (atom_core/plugins/options.py); `self.options` is its instance, None without one.
@@ -181,6 +188,19 @@ class AttentionMetadataBuilder:
         Paged KV needs nothing (a rejected position is overwritten next step); a builder
         with per-request state keeps the state after the last accepted token here.
         """
+
+    def replayable(self, meta: AttentionMetadata) -> bool:
+        """Whether a decode graph may record or replay the step `meta` describes (every row one
+        decode token, which the runner has checked): False where this builder still takes
+        another path for some of its rows."""
+        return True
+
+    def snapshot_state(self, meta: AttentionMetadata) -> Callable[[], None] | None:
+        """Called before a decode graph's first replay, which the same step's eager run then
+        checks: what puts back the state that step advances in place (a per-request
+        recurrence's rows), so that the eager run starts where the replay did. None: a step
+        rewrites only what it reads anew (paged KV)."""
+        return None
 
     # -- per-step metadata -------------------------------------------------------------
 

@@ -9,7 +9,8 @@ row on a small model. `ModelRunner` calls the model through `DecodeGraphs`, whic
   kernel and torch op with the buffers it wrote (`StepGraph`);
 * the second time: replays the graph, then runs the step eagerly as well, and keeps the graph
   only if the two hidden states are equal bit for bit (the replay first: an eager run would
-  write the KV a missed kernel should have, and hide it); where they differ, or where the
+  write the KV a missed kernel should have, and hide it; what the replay advanced in place,
+  a builder's `snapshot_state`, is put back before the eager run); where they differ, or where the
   forward cannot be recorded, every step runs eagerly from then on, said once in the log;
 * from then on: copies the step's inputs and attention metadata into the recorded tensors and
   replays.
@@ -31,7 +32,7 @@ from torch import nn
 
 from atom_core.forward_context import get_forward_context
 from atom_core.layers.graph_capture import Call, CaptureUnsupported, record
-from atom_core.runner.attention_builder import AttentionMetadata
+from atom_core.runner.attention_builder import STEP_ONLY, AttentionMetadata, AttentionMetadataBuilder
 
 logger = logging.getLogger("atom")
 
@@ -80,10 +81,7 @@ class StepGraph:
             if old.extra.keys() != new.extra.keys():
                 return False
             for key, was in old.extra.items():
-                now = new.extra[key]
-                if isinstance(was, torch.Tensor):
-                    copies[id(was)] = (was, now)
-                elif not _same(was, now):  # a value the recorded step branched on
+                if not _extra_fits(was, new.extra[key], copies):
                     return False
         if any(not isinstance(now, torch.Tensor) or was.shape != now.shape or was.dtype != now.dtype
                for was, now in copies.values()):  # fmt: skip
@@ -99,6 +97,22 @@ class StepGraph:
         return self.output
 
 
+def _extra_fits(was: Any, now: Any, copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether `now` (an `extra` value of this step) fits `was` (the recorded step's): a tensor
+    is copied in, an attrs object field by field (but its `STEP_ONLY` fields), anything else
+    is a value the recorded step branched on and must be equal."""
+    if isinstance(was, torch.Tensor):
+        copies[id(was)] = (was, now)
+        return True
+    if attrs.has(type(was)):
+        return type(now) is type(was) and all(
+            _extra_fits(getattr(was, f.name), getattr(now, f.name), copies)
+            for f in attrs.fields(type(was))
+            if not f.metadata.get(STEP_ONLY)
+        )
+    return _same(was, now)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
@@ -111,8 +125,9 @@ def _same(a: Any, b: Any) -> bool:
 class DecodeGraphs:
     """`model(input_ids, positions)`, replaying a recorded graph for decode steps of up to `max_size` rows."""
 
-    def __init__(self, model: Callable[..., torch.Tensor], max_size: int, max_blocks: int):
-        self.model, self.max_size, self.max_blocks = model, max_size, max_blocks
+    def __init__(self, model: Callable[..., torch.Tensor], max_size: int, max_blocks: int,
+                 builders: dict[str, AttentionMetadataBuilder]):  # fmt: skip
+        self.model, self.max_size, self.max_blocks, self.builders = model, max_size, max_blocks, builders
         self.graphs: dict[int, StepGraph | None] = {}  # rows -> graph (None: this size runs eagerly)
         self.replays = 0  # steps served by a replay (tests and benchmarks read it)
 
@@ -122,7 +137,7 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         if not (0 < n <= self.max_size and not ctx.context.is_prefill and metas
                 and all(m.max_seqlen_q == 1 and m.num_reqs == n and m.padded_block_tables is None
-                        for m in metas.values())):  # fmt: skip
+                        and self.builders[kind].replayable(m) for kind, m in metas.items())):  # fmt: skip
             return self.model(input_ids, positions)
         if n not in self.graphs:
             return self._capture(n, input_ids, positions, metas)
@@ -132,7 +147,11 @@ class DecodeGraphs:
         if graph.checked:
             self.replays += 1
             return graph.replay()
+        restores = [self.builders[kind].snapshot_state(meta) for kind, meta in metas.items()]
         replayed = graph.replay().clone()
+        for restore in restores:  # the state the replay advanced, back for the eager run
+            if restore is not None:
+                restore()
         eager = self.model(input_ids, positions)
         if torch.equal(replayed, eager):
             graph.checked = True
@@ -176,4 +195,4 @@ def decode_graphs(model: nn.Module, run_model: Callable, config: Any, builders: 
         logger.info("atom: decode graphs off: %s", why)
         return run_model
     block_size = config.kv_cache_block_size
-    return DecodeGraphs(run_model, size, -(-config.max_model_len // block_size))
+    return DecodeGraphs(run_model, size, -(-config.max_model_len // block_size), builders)
