@@ -137,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         "--core-threads", type=int, default=None,
         help="torch threads of each engine core (default: this machine's cores / --data-parallel-size)",
     )  # fmt: skip
+    serve.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='answer tool_choice "auto" (the default with tools) by reading the calls the model writes',
+    )  # fmt: skip
+    serve.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), "
+        "qwen3_coder (Qwen3-Coder, Qwen3-Next, Qwen3.5), or a plugin's (atom plugins lists them)",
+    )  # fmt: skip
     add_config_flags(serve, SERVE_DEFAULTS)
 
     talk = sub.add_parser("chat", help="a streamed chat on the terminal, with a local model or a server (--url)")
@@ -238,10 +247,13 @@ def _worker(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from atom_core.serve.server import serve
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):  # vLLM asks for both together
+        print("atom serve: --enable-auto-tool-choice and --tool-call-parser go together: give both", file=sys.stderr)
+        return 2
     serve(
         args.model, config_from_flags(args), host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
-        core_threads=args.core_threads,
+        core_threads=args.core_threads, tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     return 0
 

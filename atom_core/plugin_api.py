@@ -18,6 +18,8 @@ a plugin contributes:
   `seed_for_step`;
 - a structured-output backend: `StructuredOutputBackend`, `Grammar`, `StructuredOutputParams`;
 - a scheduling policy: `SchedulingPolicy`, `StepBuilder`;
+- a tool-call parser: `ToolParser` (or `TaggedToolParser`, for calls between tags), what it
+  returns (`ParsedReply`, `ParsedCall`) and `call_of` for JSON call objects;
 - settings of its own (a policy's or a builder's `options_class`, read from
   `Config.additional_config`): validators whose errors name the setting, the limit and the
   value (`boolean`, `positive`, `non_negative_int`, `one_of`).
@@ -70,6 +72,11 @@ _LAZY = {
     "Joined": "atom_core.loading.gguf.architecture",
     "moe_tensors": "atom_core.loading.gguf.architecture",
     "empty_resident": "atom_core.platform.memory",
+    "ToolParser": "atom_core.serve.tool_parser",
+    "TaggedToolParser": "atom_core.serve.tool_parser",
+    "ParsedReply": "atom_core.serve.tool_parser",
+    "ParsedCall": "atom_core.serve.tool_parser",
+    "call_of": "atom_core.serve.tool_parser",
 }
 
 if TYPE_CHECKING:
@@ -93,6 +100,7 @@ if TYPE_CHECKING:
         seed_for_step,
     )
     from atom_core.sampling_params import StructuredOutputParams
+    from atom_core.serve.tool_parser import ParsedCall, ParsedReply, TaggedToolParser, ToolParser, call_of
     from atom_core.structured_output.backend import Grammar, StructuredOutputBackend
 
 
@@ -130,6 +138,11 @@ __all__ = [
     "ScheduledBatch",
     "SchedulingPolicy",
     "StepBuilder",
+    "ToolParser",
+    "TaggedToolParser",
+    "ParsedReply",
+    "ParsedCall",
+    "call_of",
     "apply_penalties",
     "process_logits",
     "StructuredOutputBackend",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -24,6 +25,26 @@ def text_content(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
+def tool_calls_of(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's `tool_calls` with each call's `arguments` as the object its JSON text
+    is, as vLLM hands them to a template: Llama's and Qwen2.5's write `arguments | tojson`,
+    which would quote the text once more. {} for a turn without calls."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return {}
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(function, dict) and isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except json.JSONDecodeError:
+                pass  # left as the text it is
+        out.append(call)
+    return {"tool_calls": out}
+
+
 def chat_text(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt `messages` make through the tokenizer's chat template, ready for the reply
     (`tools`: OpenAI's, for a template that lists them); ValueError naming the message a
@@ -33,7 +54,7 @@ def chat_text(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None 
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a 'role' string, got {m!r}")
-    messages = [{**m, "content": text_content(m.get("content"), i)} for i, m in enumerate(messages)]
+    messages = [{**m, "content": text_content(m.get("content"), i), **tool_calls_of(m)} for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)

@@ -32,3 +32,10 @@ def atom_register_distributed_executors(registry):
     registry.register("mp", "atom_core.executor.multiproc:MultiprocExecutor")
     registry.register("torchrun", "atom_core.executor.torchrun:TorchrunExecutor")
     registry.register("ray", "atom_core.executor.ray_executor:RayExecutor")  # the `ray` extra
+
+
+@hookimpl
+def atom_register_tool_parsers(registry):
+    registry.register("hermes", "atom_core.serve.tool_parsers.hermes:HermesToolParser")
+    registry.register("llama3_json", "atom_core.serve.tool_parsers.llama3_json:Llama3JsonToolParser")
+    registry.register("qwen3_coder", "atom_core.serve.tool_parsers.qwen3_coder:Qwen3CoderToolParser")

@@ -105,3 +105,13 @@ def atom_register_hf_configs(registry: PluginRegistry) -> None:
     checkpoints are DeepSeek-V3's shape under a name of their own).
 
     Asked when a model folder's config.json is read and transformers refuses its model_type."""
+
+
+@hookspec
+def atom_register_tool_parsers(registry: PluginRegistry) -> None:
+    """Register parsers of the tool calls a model writes in its replies
+    (`atom_core.serve.tool_parser.ToolParser` subclasses) by format name ("hermes",
+    "llama3_json", "qwen3_coder"), e.g. `registry.register("mistral", "my_pkg.tools:MistralToolParser")`.
+
+    Asked when `atom serve --enable-auto-tool-choice --tool-call-parser NAME` starts; built as
+    `cls(tools)` for each reply to a request whose `tool_choice` is "auto"."""

@@ -36,6 +36,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "structured_output_backends": ("atom_register_structured_output_backends", "structured-output backend"),
     "distributed_executors": ("atom_register_distributed_executors", "distributed executor"),
     "hf_configs": ("atom_register_hf_configs", "checkpoint model_type"),
+    "tool_parsers": ("atom_register_tool_parsers", "tool-call parser"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

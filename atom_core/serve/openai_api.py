@@ -31,7 +31,8 @@ from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
 from atom_core.serve.text_stream import TextStream
-from atom_core.serve.tools import ForcedToolCalls, tool_call
+from atom_core.serve.tool_parser import ToolParser
+from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -175,7 +176,10 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
     return spec if spec is not None else guided or None  # its fields are checked by SamplingParams
 
 
-def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0) -> FastAPI:
+def build_app(
+    client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0,
+    tool_parser: type[ToolParser] | None = None,
+) -> FastAPI:  # fmt: skip
     app = FastAPI(title="Atom", docs_url=None, redoc_url=None)
     ready = client.ready
     assert ready is not None
@@ -336,7 +340,7 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
 
     async def run(
         request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any],
-        tools: ForcedToolCalls | None = None,
+        tools: ForcedToolCalls | AutoToolCalls | None = None,
     ) -> Any:  # fmt: skip
         from atom_core.sampling_params import SamplingParams
 
@@ -453,10 +457,10 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
                     tokens, content, logprobs[i] = [], "", []
                     choice["finish_reason"], choice["stop_reason"] = "length", None
-                calls = tools.calls(content) if tools is not None else None
-                if tools is not None and calls is not None:  # the reply is the calls' JSON: OpenAI's tool calls
-                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                    choice["finish_reason"] = tools.finish_reason(reason)
+                message = tools.message(content) if tools is not None else None
+                if tools is not None and message is not None:  # the reply made calls: OpenAI's tool calls
+                    choice["message"] = message
+                    choice["finish_reason"] = tools.reason(reason, content)
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 elif kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content}
@@ -477,27 +481,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                 "choices": choices, "usage": usage(finals, num_completion),
             }  # fmt: skip
 
-        streamed_calls = [False] * len(jobs)  # a named call's first delta went out (its id and name)
-
-        def tool_call_delta(i: int, new: str, finished: bool) -> dict[str, Any]:
-            """A named function's arguments stream as they come; a required reply's calls go out
-            whole once its JSON is complete (as text, should it have been cut short); {}: nothing yet."""
-            assert tools is not None
-            if tools.name is not None:
-                if not new:
-                    return {}
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": new}}
-                if not streamed_calls[i]:
-                    first = tool_call(tools.name, new)
-                    call = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
-                    streamed_calls[i] = True
-                return {"tool_calls": [call]}
-            if not finished:
-                return {}
-            calls = tools.calls(texts[i].text)
-            if calls is None:
-                return {"content": texts[i].text}
-            return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+        streams = [tools.stream() for _ in jobs] if tools is not None else None
+        sent_text = [""] * len(jobs)  # each choice's text handed out so far
 
         async def events() -> AsyncIterator[str]:
             chunk_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -528,12 +513,15 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                         if wants_prompt_lp and delta.prompt_logprobs
                         else None
                     )
-                    # a chat delta: its text, or a tool call's (the calls' JSON, as `tool_calls`)
-                    message = (
-                        ({"content": new} if new else {}) if tools is None else tool_call_delta(i, new, delta.finished)
-                    )
-                    if tools is not None:
-                        new = message.get("content", "") if message else ""
+                    # a chat delta: its text, or what the tool calls make of it (content, `tool_calls`)
+                    if streams is None:
+                        message = {"content": new} if new else {}
+                    else:
+                        sent_text[i] += new
+                        message = streams[i].delta(
+                            new, texts[i].text if delta.finished else sent_text[i], delta.finished
+                        )
+                        new = message.get("content", "")
                     if message or prompt_lp or (delta.token_ids and (chat_logprobs or wants_logprobs)):
                         lp = delta.logprobs or []
                         if kind == "chat":
@@ -551,8 +539,8 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
                     if delta.finished:
                         finals[i] = delta
                         reason = openai_finish_reason(delta.finish_reason)
-                        if tools is not None and tools.calls(texts[i].text) is not None:
-                            reason = tools.finish_reason(reason)
+                        if streams is not None:
+                            reason = streams[i].reason(reason)
                         end: dict[str, Any] = {"delta": {}} if kind == "chat" else {"text": ""}
                         yield chunk([{"index": i, **end, "finish_reason": reason, "stop_reason": delta.stop_reason}])
                 if usage_wanted:
@@ -645,12 +633,12 @@ def build_app(client: EngineClient, tokenizer: Any, served_model_name: str, heal
     async def chat_completions(request: Request) -> Any:
         body = await read_body(request)
         try:
-            tools = ForcedToolCalls.of(body)
+            tools = ForcedToolCalls.of(body, tool_parser)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
         ids = chat_prompt(body)
         params = sampling_params(body, None)
-        if tools is not None:
+        if isinstance(tools, ForcedToolCalls):
             if params["structured_output"] is not None:
                 raise ApiError(
                     400, "give tool_choice or response_format (or structured_outputs), not both", "tool_choice"

@@ -30,16 +30,21 @@ def serve(
     api_key: str | None = None,
     health_timeout: float = 5.0,
     core_threads: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
+    """`tool_call_parser`: a tool_parsers registry name, for requests whose tool_choice is "auto"
+    (`--enable-auto-tool-choice --tool-call-parser NAME`)."""
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from transformers import AutoTokenizer
 
     from atom_core.engine.model_source import resolve_model
+    from atom_core.plugins.manager import get_registry
     from atom_core.serve.client import EngineClient
     from atom_core.serve.openai_api import build_app, error_body
 
+    parser = get_registry("tool_parsers").get(tool_call_parser) if tool_call_parser else None  # unknown: fail now
     folder = resolve_model(model)  # a .gguf is converted here, once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(folder)
     name = served_model_name or (Path(model).stem if model else folder.name)
@@ -49,7 +54,7 @@ def serve(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        api = build_app(client, tokenizer, name, health_timeout)
+        api = build_app(client, tokenizer, name, health_timeout, parser)
         app.mount("/", api)
         logger.warning("atom: serving %s on http://%s:%d", name, host, port)
         yield

@@ -1,10 +1,14 @@
-"""Tool calls the way vLLM makes them without a model-specific parser: `tool_choice` naming a
-function, or `"required"`, constrains the reply to the calls' JSON with structured output.
+"""Tool calls the way vLLM makes them.
 
-A named function's reply is its arguments (a JSON object of its `parameters` schema); a
-required one's is a JSON array of `{"name", "parameters"}` objects, one of the tools each.
-`"auto"` would need a parser for each model's way of writing calls, which this server does
-not have (vLLM asks for `--tool-call-parser` too); `"none"` writes text as without tools.
+`tool_choice` naming a function, or `"required"`, constrains the reply to the calls' JSON with
+structured output (`ForcedToolCalls`): a named function's reply is its arguments (a JSON object
+of its `parameters` schema); a required one's is a JSON array of `{"name", "parameters"}`
+objects, one of the tools each. `"auto"` (the default with tools) lets the model write calls
+its own way, read by the tool-call parser the server was started with (`AutoToolCalls`,
+`--enable-auto-tool-choice --tool-call-parser NAME`); `"none"` writes text as without tools.
+
+Both answer the server in the same terms: the reply's `message`, its finish `reason`, and a
+`stream` per choice that turns the reply's text as it comes into chat deltas.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import uuid
 from typing import Any
 
 import attrs
+
+from atom_core.serve.tool_parser import ToolParser
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -46,9 +52,10 @@ class ForcedToolCalls:
     functions: dict[str, dict[str, Any]]
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> ForcedToolCalls | None:
-        """From a chat request's `tools` and `tool_choice`; None where the reply is text
-        (no tools, or "none"). ValueError for what cannot be served, naming the field."""
+    def of(cls, body: dict[str, Any], parser: type[ToolParser] | None = None) -> ForcedToolCalls | AutoToolCalls | None:
+        """From a chat request's `tools` and `tool_choice`; None where the reply is text (no
+        tools, or "none"); `parser`: the server's for "auto", if it was started with one.
+        ValueError for what cannot be served, naming the field."""
         tools, choice = body.get("tools"), body.get("tool_choice")
         if not tools:
             if choice not in (None, "none"):
@@ -58,10 +65,13 @@ class ForcedToolCalls:
         if choice == "none":
             return None
         if choice in (None, "auto"):
-            raise ValueError(
-                'tool_choice "auto" (the default with tools) needs a parser of the model\'s tool calls, which this '
-                'server does not have: use "required", a named function, or "none"'
-            )
+            if parser is None:
+                raise ValueError(
+                    'tool_choice "auto" (the default with tools) needs the server started with '
+                    "--enable-auto-tool-choice and --tool-call-parser (as vLLM's); without them use "
+                    '"required", a named function, or "none"'
+                )
+            return AutoToolCalls(parser, tools)
         if choice == "required":
             return cls(None, functions)
         name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
@@ -89,10 +99,20 @@ class ForcedToolCalls:
         ]
         return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: "tool_calls" for required calls that ended as the grammar completed, "stop"
-        (as it was) for a named function's, as vLLM has them."""
+    def reason(self, reason: str | None, text: str) -> str | None:
+        """OpenAI's finish reason: "tool_calls" for required calls that ended as the grammar
+        completed, "stop" (as it was) for a named function's, as vLLM has them."""
+        if self.calls(text) is None:
+            return reason
         return "tool_calls" if self.name is None and reason == "stop" else reason
+
+    def message(self, text: str) -> dict[str, Any] | None:
+        """The reply as an assistant message with `tool_calls`; None (plain text) if cut short."""
+        calls = self.calls(text)
+        return None if calls is None else {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def stream(self) -> ForcedStream:
+        return ForcedStream(self)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The reply's `tool_calls`; None where a required reply was cut short (its JSON does not parse)."""
@@ -111,3 +131,96 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+@attrs.define
+class ForcedStream:
+    """One choice's deltas: a named function's arguments as they come (its id and name with
+    the first); a required reply's calls whole once its JSON is complete (as text, should it
+    have been cut short)."""
+
+    tools: ForcedToolCalls
+    started: bool = False
+    text: str = ""
+
+    def delta(self, new: str, text: str, finished: bool) -> dict[str, Any]:
+        """`new`: the text this step completed; `text`: all of it so far. {}: nothing to send."""
+        self.text = text
+        if self.tools.name is not None:
+            if not new:
+                return {}
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": new}}
+            if not self.started:
+                first = tool_call(self.tools.name, new)
+                call = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
+                self.started = True
+            return {"tool_calls": [call]}
+        if not finished:
+            return {}
+        calls = self.tools.calls(text)
+        if calls is None:
+            return {"content": text}
+        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+
+    def reason(self, reason: str | None) -> str | None:
+        return self.tools.reason(reason, self.text)
+
+
+@attrs.define
+class AutoToolCalls:
+    """tool_choice "auto": the reply is text, in which the server's tool-call parser finds the
+    calls the model wrote (vLLM's `--enable-auto-tool-choice`)."""
+
+    parser: type[ToolParser]
+    tools: list[dict[str, Any]]
+
+    def message(self, text: str) -> dict[str, Any] | None:
+        """The reply's content and calls; None (plain text) where it made none, or made them
+        in a form the parser cannot read."""
+        reply = self.parser(self.tools).parse(text, final=True)
+        if reply.malformed or not reply.calls:
+            return None
+        calls = [tool_call(c.name, c.arguments) for c in reply.calls]
+        return {"role": "assistant", "content": reply.content, "tool_calls": calls}
+
+    def reason(self, reason: str | None, text: str) -> str | None:
+        """ "tool_calls" once the reply made calls (vLLM's, whatever ended it), else as it was."""
+        return "tool_calls" if self.message(text) is not None else reason
+
+    def stream(self) -> AutoStream:
+        return AutoStream(self.parser(self.tools))
+
+
+@attrs.define
+class AutoStream:
+    """One choice's deltas under "auto": its text as content up to where calls begin (holding
+    back what may yet open one), then each call whole as soon as the parser reads it complete.
+    A reply whose calls cannot be read is sent as the text it is."""
+
+    parser: ToolParser
+    sent: int = 0  # characters of the text sent as content
+    calls_sent: int = 0
+
+    def delta(self, new: str, text: str, finished: bool) -> dict[str, Any]:
+        begin = self.parser.calls_begin(text)
+        calls = []
+        if begin < 0:
+            end = len(text) if finished else len(text) - self.parser.held_back(text)
+        else:
+            reply = self.parser.parse(text, finished)
+            if reply.malformed:  # wait for the end; then what the calls could not be, as text
+                end = len(text) if finished and not self.calls_sent else self.sent
+            else:
+                end, calls = begin, reply.calls[self.calls_sent :]
+        out: dict[str, Any] = {}
+        if end > self.sent:
+            out["content"], self.sent = text[self.sent : end], end
+        if calls:
+            out["tool_calls"] = [
+                {"index": self.calls_sent + k, **tool_call(c.name, c.arguments)} for k, c in enumerate(calls)
+            ]
+            self.calls_sent += len(calls)
+        return out
+
+    def reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls_sent else reason

@@ -1,0 +1,120 @@
+"""The contract of a tool-call parser: how `atom serve --enable-auto-tool-choice` reads the calls
+a model writes into its reply when a request leaves `tool_choice` "auto".
+
+Each model family writes calls its own way (Qwen's `<tool_call>` JSON, Llama 3's bare JSON
+object, Qwen3-Coder's XML), so the format is a plugin: a `ToolParser` subclass registered by
+name under the `atom_register_tool_parsers` hook and picked with `--tool-call-parser NAME`,
+vLLM's flag. The server builds one per reply and hands it the reply's text as it grows; the
+streaming (content up to the calls, each call once it is complete) is the server's, the same
+for every parser.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class ParsedCall:
+    """One call: the function's name and its arguments as a JSON object's text."""
+
+    name: str
+    arguments: str
+
+
+@attrs.frozen
+class ParsedReply:
+    """What `ToolParser.parse` found: the text outside the calls (None if blank), the calls, and
+    whether the calls part failed to read (then the server sends the whole reply as text)."""
+
+    content: str | None
+    calls: list[ParsedCall]
+    malformed: bool = False
+
+
+class ToolParser:
+    """Reads the tool calls in one reply. Subclasses set `start` (the text that opens the calls)
+    and implement `parse`; `calls_begin` and `held_back` serve most formats as they are.
+
+    Built as `cls(tools)` per reply, `tools` being the request's OpenAI `tools` list (a parser
+    that types arguments by their schema reads it; the others ignore it)."""
+
+    start: str = ""
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        self.tools = tools
+
+    def calls_begin(self, text: str) -> int:
+        """Where the calls begin in `text`, or -1 while none has: the text before is content."""
+        return text.find(self.start) if self.start else -1
+
+    def held_back(self, text: str) -> int:
+        """How many characters at the end of `text` (which holds no call yet) could still turn
+        out to open one: kept from the streamed content until the next text decides."""
+        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-n:]):
+                return n
+        return 0
+
+    def parse(self, text: str, final: bool) -> ParsedReply:
+        """The calls in `text` (the reply so far; `final` once it has ended). Before the end,
+        only the calls known complete: a call, once returned, is never taken back or changed."""
+        raise NotImplementedError
+
+    def schema_of(self, function: str) -> dict[str, Any]:
+        """The `parameters` schema of the request's tool named `function` ({} if none is)."""
+        for tool in self.tools:
+            f = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(f, dict) and f.get("name") == function:
+                return f.get("parameters") or {}
+        return {}
+
+
+class TaggedToolParser(ToolParser):
+    """Calls each between `start` and `end` tags (Hermes' and Qwen's `<tool_call>`); the text
+    before the first is content. Subclasses read one call's body (`call`)."""
+
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> ParsedReply:
+        begin = self.calls_begin(text)
+        if begin < 0:
+            return ParsedReply(text if text.strip() else None, [])
+        opening, closing = re.escape(self.start), re.escape(self.end)
+        pattern = re.compile(f"{opening}(.*?){closing}|{opening}(.*)\\Z", re.DOTALL)
+        calls = []
+        for closed, unclosed in pattern.findall(text, begin):
+            if not closed and not final:  # the last call may still be written
+                break
+            call = self.call(closed or unclosed)
+            if call is None:
+                if not closed:  # cut short at the end (max_tokens): the calls before it stand
+                    break
+                return ParsedReply(text, [], malformed=True)
+            calls.append(call)
+        content = text[:begin]
+        return ParsedReply(content if content.strip() else None, calls)
+
+    def call(self, body: str) -> ParsedCall | None:
+        """One call from the text between the tags; None if it is not one."""
+        raise NotImplementedError
+
+
+def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A JSON call object `{"name": ..., "arguments": {...}}` (or "parameters", Llama's word) as a
+    ParsedCall; None if it is not one."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments: Any = next((item[k] for k in arguments_keys if k in item), {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))

@@ -1,0 +1,207 @@
+"""tool_choice "auto": the calls a model writes in its own format, read by the tool-call parser
+the server was started with (`--enable-auto-tool-choice --tool-call-parser`), whole and
+streamed; each parser on its own, every way a stream can cut its text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+from test_serve import start_server, stop_server
+from transformers import AutoTokenizer
+
+from atom_core.engine.chat_template import chat_text
+from atom_core.engine.fetch import fetch_default_model
+from atom_core.plugins.manager import get_registry
+from atom_core.serve.tool_parser import ParsedCall
+from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
+
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}, "exact": {"type": "boolean"},
+                                         "where": {"type": "object"}}}}},
+]  # fmt: skip
+
+HERMES = (
+    'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+LLAMA = '{"name": "weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "time", "parameters": {"zone": "CET"}}'
+QWEN3_CODER = (
+    "Let me look.\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=time>\n"
+    "<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"
+)
+CALLS = [
+    ParsedCall("weather", json.dumps({"city": "Paris", "days": 2})),
+    ParsedCall("time", json.dumps({"zone": "CET"})),
+]
+CASES = [("hermes", HERMES, "Let me look.\n"), ("llama3_json", LLAMA, None), ("qwen3_coder", QWEN3_CODER, "Let me look.\n")]
+
+
+def parser(name: str):
+    return get_registry("tool_parsers").get(name)(TOOLS)
+
+
+@pytest.mark.parametrize(("name", "text", "content"), CASES)
+def test_each_parser_reads_the_content_and_calls_of_a_whole_reply(name, text, content):
+    reply = parser(name).parse(text, final=True)
+    assert (reply.content, reply.calls, reply.malformed) == (content, CALLS, False)
+    plain = "Paris is in France; {it} is <b>nice</b>."
+    assert parser(name).parse(plain, final=True).calls == []
+
+
+@pytest.mark.parametrize(("name", "text", "content"), CASES)
+def test_a_streamed_reply_gives_the_same_content_and_calls_wherever_its_text_is_cut(name, text, content):
+    """Each call goes out whole, once, in order, and no piece of a call's markup reaches the content."""
+    for cut in range(1, len(text)):  # two pieces, cut at every character
+        for pieces in ([text[:cut], text[cut:]], list(text) if cut == 1 else None):
+            if pieces is None:
+                continue
+            stream = AutoToolCalls(type(parser(name)), TOOLS).stream()
+            sent, calls, so_far = "", [], ""
+            for k, piece in enumerate(pieces):
+                so_far += piece
+                delta = stream.delta(piece, so_far, k == len(pieces) - 1)
+                sent += delta.get("content", "")
+                calls += delta.get("tool_calls", [])
+            assert sent == (content or ""), (cut, sent)
+            assert [c["index"] for c in calls] == [0, 1]
+            assert [ParsedCall(c["function"]["name"], c["function"]["arguments"]) for c in calls] == CALLS
+            assert stream.reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "qwen3_coder"])
+def test_text_that_only_looks_like_the_start_of_a_call_is_streamed_as_text(name):
+    text = "  The tag is <tool_ca" if name != "llama3_json" else "  The answer"
+    stream = AutoToolCalls(type(parser(name)), TOOLS).stream()
+    first = stream.delta(text, text, False).get("content", "")
+    rest = stream.delta("", text, True).get("content", "")
+    assert first + rest == text and stream.reason("stop") == "stop"
+
+
+def test_hermes_calls_that_do_not_read_are_text_and_a_cut_last_call_leaves_the_others():
+    broken = '<tool_call>\n{"name": "weather", "arguments": {"city": \n</tool_call>'
+    assert AutoToolCalls(type(parser("hermes")), TOOLS).message(broken) is None  # the server sends the text
+    stream = AutoToolCalls(type(parser("hermes")), TOOLS).stream()
+    assert stream.delta(broken, broken, True) == {"content": broken} and stream.reason("stop") == "stop"
+    cut = HERMES[: HERMES.rindex('"zone"')]  # max_tokens ended the second call
+    assert parser("hermes").parse(cut, final=True).calls == CALLS[:1]
+    # A last call that was written whole but never closed is read at the end (vLLM's reading).
+    unclosed = HERMES.removesuffix("</tool_call>")
+    assert parser("hermes").parse(unclosed, final=False).calls == CALLS[:1]
+    assert parser("hermes").parse(unclosed, final=True).calls == CALLS
+
+
+def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():
+    tagged = '<|python_tag|>{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
+    assert parser("llama3_json").parse(tagged, final=True).calls == CALLS[:1]
+    assert parser("llama3_json").parse('{"city": "Paris"}', final=True).malformed  # JSON, but no call
+
+
+def test_qwen3_coder_types_parameters_by_the_tools_schema():
+    text = (
+        "<tool_call>\n<function=time>\n<parameter=zone>\n007\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n"
+        '<parameter=where>\n{"lat": 1.5}\n</parameter>\n<parameter=extra>\ntwo\nlines\n</parameter>\n</function>\n</tool_call>'
+    )
+    (call,) = parser("qwen3_coder").parse(text, final=True).calls
+    assert call.name == "time"
+    assert json.loads(call.arguments) == {"zone": "007", "exact": True, "where": {"lat": 1.5}, "extra": "two\nlines"}
+
+
+def test_auto_needs_a_parser_and_says_which_flags_give_one():
+    body = {"tools": TOOLS, "messages": []}
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice and --tool-call-parser"):
+        ForcedToolCalls.of(body)
+    assert isinstance(ForcedToolCalls.of({**body, "tool_choice": "auto"}, type(parser("hermes"))), AutoToolCalls)
+    assert ForcedToolCalls.of({**body, "tool_choice": "none"}, type(parser("hermes"))) is None
+
+
+def test_history_tool_call_arguments_reach_the_template_as_objects():
+    """Templates that write `arguments | tojson` (Llama 3.1's, Qwen2.5's) must not quote the text again."""
+    tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{{ m.content }}|{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "2", "type": "function", "function": {"name": "time", "arguments": "not json"}},
+        ]},
+    ]  # fmt: skip
+    assert chat_text(tokenizer, messages) == 'weather?|weather{"city": "Paris"}time"not json"|'
+
+
+def test_the_two_flags_go_together_and_an_unknown_parser_is_named():
+    run = [sys.executable, "-m", "atom_core.cli", "serve", "--port", "1"]
+    r = subprocess.run([*run, "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "go together" in r.stderr
+    r = subprocess.run([*run, "--enable-auto-tool-choice", "--tool-call-parser", "nope"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "unknown tool-call parser 'nope'" in r.stderr and "hermes" in r.stderr
+
+
+SEED_CALLS, SEED_TEXT = 4242, 4343
+PLAIN = "Paris is sunny <today>."
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A server reading Hermes calls, whose scripted sampler writes HERMES for requests seeded
+    SEED_CALLS and PLAIN for SEED_TEXT."""
+    tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
+    script = tmp_path_factory.mktemp("script") / "replies.json"
+    script.write_text(json.dumps({
+        "eos": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "replies": {str(s): tokenizer.encode(t, add_special_tokens=False) for s, t in ((SEED_CALLS, HERMES), (SEED_TEXT, PLAIN))},
+    }))  # fmt: skip
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc, url = start_server(
+        "--sampler", "scripted", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        env={"ATOM_PLUGINS": "script_plugin", "ATOM_SCRIPT_FILE": str(script),
+             "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    stop_server(proc)
+
+
+def ask(client, seed: int, **extra):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS, seed=seed, temperature=0, max_tokens=100, **extra,
+    )  # fmt: skip
+
+
+def test_the_server_answers_auto_with_the_calls_the_model_wrote_whole_and_streamed(tool_server):
+    r = ask(tool_server, SEED_CALLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, c.function.arguments) for c in calls] == [
+        ("function", c.name, c.arguments) for c in CALLS
+    ]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in calls) and len({c.id for c in calls}) == 2
+    chunks = [c for c in ask(tool_server, SEED_CALLS, stream=True) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Let me look.\n" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (k, c.name, c.arguments) for k, c in enumerate(CALLS)
+    ]
+
+
+def test_a_reply_without_calls_is_plain_text_whole_and_streamed(tool_server):
+    r = ask(tool_server, SEED_TEXT)
+    assert r.choices[0].message.content == PLAIN and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    chunks = [c for c in ask(tool_server, SEED_TEXT, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == PLAIN
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
