@@ -32,7 +32,9 @@ HERMES = (
     'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
     '<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}\n</tool_call>'
 )
-LLAMA = '{"name": "weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "time", "parameters": {"zone": "CET"}}'
+LLAMA = (
+    '{"name": "weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "time", "parameters": {"zone": "CET"}}'
+)
 QWEN3_CODER = (
     "Let me look.\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=time>\n"
@@ -42,7 +44,11 @@ CALLS = [
     ParsedCall("weather", json.dumps({"city": "Paris", "days": 2})),
     ParsedCall("time", json.dumps({"zone": "CET"})),
 ]
-CASES = [("hermes", HERMES, "Let me look.\n"), ("llama3_json", LLAMA, None), ("qwen3_coder", QWEN3_CODER, "Let me look.\n")]
+CASES = [
+    ("hermes", HERMES, "Let me look.\n"),
+    ("llama3_json", LLAMA, None),
+    ("qwen3_coder", QWEN3_CODER, "Let me look.\n"),
+]
 
 
 def parser(name: str):
