@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), "
         "qwen3_coder (Qwen3-Coder, Qwen3-Next, Qwen3.5), or a plugin's (atom plugins lists them)",
     )  # fmt: skip
+    serve.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="split replies into `reasoning` and `content`: qwen3 (Qwen3 in thinking mode), deepseek_r1 "
+        "(DeepSeek-R1, QwQ, Qwen3 Thinking-2507), or a plugin's",
+    )  # fmt: skip
     add_config_flags(serve, SERVE_DEFAULTS)
 
     talk = sub.add_parser("chat", help="a streamed chat on the terminal, with a local model or a server (--url)")
@@ -254,6 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, config_from_flags(args), host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key, health_timeout=args.health_timeout,
         core_threads=args.core_threads, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
     return 0
 

@@ -20,6 +20,7 @@ a plugin contributes:
 - a scheduling policy: `SchedulingPolicy`, `StepBuilder`;
 - a tool-call parser: `ToolParser` (or `TaggedToolParser`, for calls between tags), what it
   returns (`ParsedReply`, `ParsedCall`) and `call_of` for JSON call objects;
+- a reasoning parser: `ReasoningParser`;
 - settings of its own (a policy's or a builder's `options_class`, read from
   `Config.additional_config`): validators whose errors name the setting, the limit and the
   value (`boolean`, `positive`, `non_negative_int`, `one_of`).
@@ -77,6 +78,7 @@ _LAZY = {
     "ParsedReply": "atom_core.serve.tool_parser",
     "ParsedCall": "atom_core.serve.tool_parser",
     "call_of": "atom_core.serve.tool_parser",
+    "ReasoningParser": "atom_core.serve.reasoning_parser",
 }
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
         seed_for_step,
     )
     from atom_core.sampling_params import StructuredOutputParams
+    from atom_core.serve.reasoning_parser import ReasoningParser
     from atom_core.serve.tool_parser import ParsedCall, ParsedReply, TaggedToolParser, ToolParser, call_of
     from atom_core.structured_output.backend import Grammar, StructuredOutputBackend
 
@@ -143,6 +146,7 @@ __all__ = [
     "ParsedReply",
     "ParsedCall",
     "call_of",
+    "ReasoningParser",
     "apply_penalties",
     "process_logits",
     "StructuredOutputBackend",

@@ -62,6 +62,10 @@ class InProcessPlugin:
     def atom_register_tool_parsers(self, registry):
         registry.register("inproc", Constant)
 
+    @hookimpl
+    def atom_register_reasoning_parsers(self, registry):
+        registry.register("inproc", Constant)
+
 
 class Constant:
     pass
@@ -98,6 +102,8 @@ def test_in_process_plugin_adds_every_kind(plugin_manager, monkeypatch):
     assert {"mp", "torchrun"} <= set(get_registry("distributed_executors").names())
     assert get_registry("tool_parsers").get("inproc") is Constant
     assert {"hermes", "llama3_json", "qwen3_coder"} <= set(get_registry("tool_parsers").names())
+    assert get_registry("reasoning_parsers").get("inproc") is Constant
+    assert {"qwen3", "deepseek_r1"} <= set(get_registry("reasoning_parsers").names())
     assert declared_kernels()["example"] is EXAMPLE_KERNEL and "cpu_ops" in declared_kernels()
 
 

@@ -1,6 +1,7 @@
-"""tool_choice "auto": the calls a model writes in its own format, read by the tool-call parser
-the server was started with (`--enable-auto-tool-choice --tool-call-parser`), whole and
-streamed; each parser on its own, every way a stream can cut its text."""
+"""What a model writes in its own format, read by the parsers the server was started with:
+tool calls for tool_choice "auto" (`--enable-auto-tool-choice --tool-call-parser`) and
+reasoning (`--reasoning-parser`), whole and streamed; each parser on its own, every way a
+stream can cut its text, and the server end to end."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 from atom_core.engine.chat_template import chat_text
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.plugins.manager import get_registry
+from atom_core.serve.reasoning_parser import ReasoningStream
 from atom_core.serve.tool_parser import ParsedCall
 from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
 
@@ -154,23 +156,64 @@ def test_the_two_flags_go_together_and_an_unknown_parser_is_named():
     assert r.returncode != 0 and "unknown tool-call parser 'nope'" in r.stderr and "hermes" in r.stderr
 
 
-SEED_CALLS, SEED_TEXT = 4242, 4343
+THOUGHT = "<think>\nThe user wants Paris.\n</think>\n\n"
+
+
+def split_whole(name: str, text: str) -> tuple[str, str]:
+    reasoning, answer, _ = get_registry("reasoning_parsers").get(name)().split(text, final=True)
+    return reasoning, answer
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "want"),
+    [
+        ("qwen3", THOUGHT + "It is sunny.", ("\nThe user wants Paris.\n", "It is sunny.")),
+        ("qwen3", "It is sunny, <think> aside.", ("", "It is sunny, <think> aside.")),  # thinking off
+        ("qwen3", "<think>\nStill thinking", ("\nStill thinking", "")),  # cut by max_tokens
+        ("deepseek_r1", "The user wants Paris.\n</think>\n\nIt is sunny.", ("The user wants Paris.\n", "It is sunny.")),
+        ("deepseek_r1", THOUGHT + "It is sunny.", ("\nThe user wants Paris.\n", "It is sunny.")),
+        ("deepseek_r1", "Still thinking", ("Still thinking", "")),
+    ],
+)
+def test_reasoning_parsers_split_a_whole_reply_and_every_cut_stream_alike(name, text, want):
+    assert split_whole(name, text) == want
+    for cut in range(len(text) + 1):
+        stream = ReasoningStream(get_registry("reasoning_parsers").get(name)())
+        said, answers = "", []
+        for k, so_far in enumerate((text[:cut], text)):
+            new, answer = stream.add(so_far, final=k == 1)
+            said += new
+            assert not answers or answer.startswith(answers[-1])  # the answer only grows
+            answers.append(answer)
+        assert (said, answers[-1]) == want, cut
+        assert "think>" not in said  # no piece of a tag is ever sent as reasoning
+
+
+def test_chat_template_kwargs_reach_the_template():
+    tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
+    tokenizer.chat_template = "{% if enable_thinking is false %}no-think {% endif %}{{ messages[0].content }}"
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_text(tokenizer, messages, template_kwargs={"enable_thinking": False}) == "no-think hi"
+    assert chat_text(tokenizer, messages) == "hi"
+
+
+SEED_CALLS, SEED_TEXT, SEED_THINK = 4242, 4343, 4444
 PLAIN = "Paris is sunny <today>."
 
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    """A server reading Hermes calls, whose scripted sampler writes HERMES for requests seeded
-    SEED_CALLS and PLAIN for SEED_TEXT."""
+    """A server reading Hermes calls and Qwen3's reasoning, whose scripted sampler writes HERMES
+    for requests seeded SEED_CALLS, PLAIN for SEED_TEXT and THOUGHT + HERMES for SEED_THINK."""
     tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
     script = tmp_path_factory.mktemp("script") / "replies.json"
     script.write_text(json.dumps({
         "eos": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "replies": {str(s): tokenizer.encode(t, add_special_tokens=False) for s, t in ((SEED_CALLS, HERMES), (SEED_TEXT, PLAIN))},
+        "replies": {str(s): tokenizer.encode(t, add_special_tokens=False) for s, t in ((SEED_CALLS, HERMES), (SEED_TEXT, PLAIN), (SEED_THINK, THOUGHT + HERMES))},
     }))  # fmt: skip
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc, url = start_server(
-        "--sampler", "scripted", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--sampler", "scripted", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         env={"ATOM_PLUGINS": "script_plugin", "ATOM_SCRIPT_FILE": str(script),
              "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
@@ -211,3 +254,29 @@ def test_a_reply_without_calls_is_plain_text_whole_and_streamed(tool_server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == PLAIN
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
+
+
+def test_reasoning_is_split_from_the_answer_and_its_calls_whole_and_streamed(tool_server):
+    r = ask(tool_server, SEED_THINK)
+    message = r.choices[0].message
+    assert message.reasoning == message.reasoning_content == "\nThe user wants Paris.\n"
+    assert message.content == "Let me look.\n" and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (c.name, c.arguments) for c in CALLS
+    ]
+    chunks = [c for c in ask(tool_server, SEED_THINK, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert "".join(d.content or "" for d in deltas) == "Let me look.\n"
+    assert [(t.function.name, t.function.arguments) for d in deltas for t in (d.tool_calls or [])] == [
+        (c.name, c.arguments) for c in CALLS
+    ]
+    plain = ask(tool_server, SEED_TEXT).choices[0].message  # no <think>: all answer
+    assert plain.content == PLAIN and plain.reasoning is None
+
+
+def test_chat_template_kwargs_are_taken_and_reserved_names_refused(tool_server):
+    r = ask(tool_server, SEED_TEXT, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == PLAIN
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set tools"):
+        ask(tool_server, SEED_TEXT, extra_body={"chat_template_kwargs": {"tools": []}})

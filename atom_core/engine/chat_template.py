@@ -45,10 +45,14 @@ def tool_calls_of(message: dict[str, Any]) -> dict[str, Any]:
     return {"tool_calls": out}
 
 
-def chat_text(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
+def chat_text(
+    tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
     """The prompt `messages` make through the tokenizer's chat template, ready for the reply
-    (`tools`: OpenAI's, for a template that lists them); ValueError naming the message a
-    template could not take (rather than jinja's error)."""
+    (`tools`: OpenAI's, for a template that lists them; `template_kwargs`: the template's own
+    variables, vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); ValueError naming
+    the message a template could not take (rather than jinja's error)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list, got {messages!r}")
     for i, m in enumerate(messages):
@@ -56,6 +60,8 @@ def chat_text(tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None 
             raise ValueError(f"messages[{i}] must be an object with a 'role' string, got {m!r}")
     messages = [{**m, "content": text_content(m.get("content"), i), **tool_calls_of(m)} for i, m in enumerate(messages)]
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
     except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
         raise ValueError(f"the model's chat template cannot render these messages: {e}") from None

@@ -39,3 +39,9 @@ def atom_register_tool_parsers(registry):
     registry.register("hermes", "atom_core.serve.tool_parsers.hermes:HermesToolParser")
     registry.register("llama3_json", "atom_core.serve.tool_parsers.llama3_json:Llama3JsonToolParser")
     registry.register("qwen3_coder", "atom_core.serve.tool_parsers.qwen3_coder:Qwen3CoderToolParser")
+
+
+@hookimpl
+def atom_register_reasoning_parsers(registry):
+    registry.register("qwen3", "atom_core.serve.reasoning_parsers.qwen3:Qwen3ReasoningParser")
+    registry.register("deepseek_r1", "atom_core.serve.reasoning_parsers.deepseek_r1:DeepSeekR1ReasoningParser")

@@ -115,3 +115,13 @@ def atom_register_tool_parsers(registry: PluginRegistry) -> None:
 
     Asked when `atom serve --enable-auto-tool-choice --tool-call-parser NAME` starts; built as
     `cls(tools)` for each reply to a request whose `tool_choice` is "auto"."""
+
+
+@hookspec
+def atom_register_reasoning_parsers(registry: PluginRegistry) -> None:
+    """Register ways a reasoning model marks its reasoning
+    (`atom_core.serve.reasoning_parser.ReasoningParser` subclasses) by name ("qwen3",
+    "deepseek_r1"), e.g. `registry.register("granite", "my_pkg.reasoning:GraniteReasoningParser")`.
+
+    Asked when `atom serve --reasoning-parser NAME` starts; built as `cls()` for each chat reply
+    no grammar shapes."""

@@ -37,6 +37,7 @@ REGISTRY_HOOKS: dict[str, tuple[str, str]] = {
     "distributed_executors": ("atom_register_distributed_executors", "distributed executor"),
     "hf_configs": ("atom_register_hf_configs", "checkpoint model_type"),
     "tool_parsers": ("atom_register_tool_parsers", "tool-call parser"),
+    "reasoning_parsers": ("atom_register_reasoning_parsers", "reasoning parser"),
 }
 
 _plugin_manager: pluggy.PluginManager | None = None

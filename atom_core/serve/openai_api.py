@@ -30,6 +30,7 @@ from atom_core.sampling_params import MAX_N, choice_seed
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
+from atom_core.serve.reasoning_parser import ReasoningParser, ReasoningStream
 from atom_core.serve.text_stream import TextStream
 from atom_core.serve.tool_parser import ToolParser
 from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
@@ -49,7 +50,7 @@ KNOWN_FIELDS = frozenset(
     "model prompt messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop stream "
     "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
     "ignore_eos stop_token_ids user tools tool_choice best_of suffix logit_bias min_tokens prompt_logprobs "
-    "include_stop_str_in_output "
+    "include_stop_str_in_output chat_template_kwargs "
     "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar".split()
 )
 # vLLM's older per-kind fields, read as `structured_outputs` entries.
@@ -178,7 +179,7 @@ def structured_output(body: dict[str, Any]) -> dict[str, Any] | None:
 
 def build_app(
     client: EngineClient, tokenizer: Any, served_model_name: str, health_timeout: float = 5.0,
-    tool_parser: type[ToolParser] | None = None,
+    tool_parser: type[ToolParser] | None = None, reasoning_parser: type[ReasoningParser] | None = None,
 ) -> FastAPI:  # fmt: skip
     app = FastAPI(title="Atom", docs_url=None, redoc_url=None)
     ready = client.ready
@@ -311,11 +312,18 @@ def build_app(
         check_token_ids(tokens, "tokens")
         return {"prompt": tokenizer.decode(tokens)}
 
+    def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+        kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+        reserved = sorted(set(kwargs) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt"})
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+        return kwargs
+
     def chat_prompt(body: dict[str, Any]) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            text = chat_text(tokenizer, body.get("messages"), body.get("tools"))
+            text = chat_text(tokenizer, body.get("messages"), body.get("tools"), template_kwargs(body))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         return encode(text, "messages", add_special_tokens=False)
@@ -340,7 +348,7 @@ def build_app(
 
     async def run(
         request: Request, kind: str, prompts: list[list[int]], params: dict[str, Any], body: dict[str, Any],
-        tools: ForcedToolCalls | AutoToolCalls | None = None,
+        tools: ForcedToolCalls | AutoToolCalls | None = None, reasoning: type[ReasoningParser] | None = None,
     ) -> Any:  # fmt: skip
         from atom_core.sampling_params import SamplingParams
 
@@ -457,13 +465,17 @@ def build_app(
                 if score_only:  # echo with max_tokens 0: the token run to score the prompt is dropped
                     tokens, content, logprobs[i] = [], "", []
                     choice["finish_reason"], choice["stop_reason"] = "length", None
+                thought: dict[str, Any] = {}
+                if reasoning is not None:  # vLLM's field, and its older name
+                    said, content, _ = reasoning().split(content, final=True)
+                    thought = {"reasoning": said or None, "reasoning_content": said or None}
                 message = tools.message(content) if tools is not None else None
                 if tools is not None and message is not None:  # the reply made calls: OpenAI's tool calls
-                    choice["message"] = message
+                    choice["message"] = {**message, **thought}
                     choice["finish_reason"] = tools.reason(reason, content)
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 elif kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": content}
+                    choice["message"] = {"role": "assistant", "content": content, **thought}
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 else:
                     prompt_text = tokenizer.decode(jobs[i][0]) if echo else ""
@@ -482,7 +494,25 @@ def build_app(
             }  # fmt: skip
 
         streams = [tools.stream() for _ in jobs] if tools is not None else None
+        thinking = [ReasoningStream(reasoning()) for _ in jobs] if reasoning is not None else None
         sent_text = [""] * len(jobs)  # each choice's text handed out so far
+        answers = [""] * len(jobs)  # each choice's text after its reasoning, so far
+
+        def chat_delta(i: int, new: str, finished: bool) -> dict[str, Any]:
+            """A chat delta: the reasoning this text adds, then the answer's new text as content or
+            what the tool calls make of it (content, `tool_calls`); {}: nothing to send yet."""
+            sent_text[i] += new
+            text = texts[i].text if finished else sent_text[i]
+            said = ""
+            if thinking is not None:
+                said, answer = thinking[i].add(text, finished)
+                new, answers[i] = answer[len(answers[i]) :], answer
+            else:
+                answers[i] = text
+            message = (
+                ({"content": new} if new else {}) if streams is None else streams[i].delta(new, answers[i], finished)
+            )
+            return {"reasoning": said, "reasoning_content": said, **message} if said else message
 
         async def events() -> AsyncIterator[str]:
             chunk_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -513,15 +543,11 @@ def build_app(
                         if wants_prompt_lp and delta.prompt_logprobs
                         else None
                     )
-                    # a chat delta: its text, or what the tool calls make of it (content, `tool_calls`)
-                    if streams is None:
-                        message = {"content": new} if new else {}
-                    else:
-                        sent_text[i] += new
-                        message = streams[i].delta(
-                            new, texts[i].text if delta.finished else sent_text[i], delta.finished
-                        )
+                    if kind == "chat":
+                        message = chat_delta(i, new, delta.finished)
                         new = message.get("content", "")
+                    else:
+                        message = {"content": new} if new else {}
                     if message or prompt_lp or (delta.token_ids and (chat_logprobs or wants_logprobs)):
                         lp = delta.logprobs or []
                         if kind == "chat":
@@ -650,6 +676,8 @@ def build_app(
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if params["max_tokens"] is None:
             params["max_tokens"] = max(1, max_model_len - len(ids))
-        return await run(request, "chat", [ids], params, body, tools)
+        # a reply a grammar shapes from its first token has no reasoning to split off
+        thinks = reasoning_parser if params["structured_output"] is None else None
+        return await run(request, "chat", [ids], params, body, tools, thinks)
 
     return app

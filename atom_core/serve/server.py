@@ -31,9 +31,11 @@ def serve(
     health_timeout: float = 5.0,
     core_threads: int | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     """`tool_call_parser`: a tool_parsers registry name, for requests whose tool_choice is "auto"
-    (`--enable-auto-tool-choice --tool-call-parser NAME`)."""
+    (`--enable-auto-tool-choice --tool-call-parser NAME`); `reasoning_parser`: a
+    reasoning_parsers one, to split replies into `reasoning` and `content`."""
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -45,6 +47,7 @@ def serve(
     from atom_core.serve.openai_api import build_app, error_body
 
     parser = get_registry("tool_parsers").get(tool_call_parser) if tool_call_parser else None  # unknown: fail now
+    thinker = get_registry("reasoning_parsers").get(reasoning_parser) if reasoning_parser else None
     folder = resolve_model(model)  # a .gguf is converted here, once, before the core starts
     tokenizer = AutoTokenizer.from_pretrained(folder)
     name = served_model_name or (Path(model).stem if model else folder.name)
@@ -54,7 +57,7 @@ def serve(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        api = build_app(client, tokenizer, name, health_timeout, parser)
+        api = build_app(client, tokenizer, name, health_timeout, parser, thinker)
         app.mount("/", api)
         logger.warning("atom: serving %s on http://%s:%d", name, host, port)
         yield

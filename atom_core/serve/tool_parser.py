@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from atom_core.serve.reasoning_parser import held
+
 
 @attrs.frozen
 class ParsedCall:
@@ -55,10 +57,7 @@ class ToolParser:
     def held_back(self, text: str) -> int:
         """How many characters at the end of `text` (which holds no call yet) could still turn
         out to open one: kept from the streamed content until the next text decides."""
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
-                return n
-        return 0
+        return held(self.start, text)
 
     def parse(self, text: str, final: bool) -> ParsedReply:
         """The calls in `text` (the reply so far; `final` once it has ended). Before the end,
