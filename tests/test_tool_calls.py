@@ -280,3 +280,40 @@ def test_chat_template_kwargs_are_taken_and_reserved_names_refused(tool_server):
     assert r.choices[0].message.content == PLAIN
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set tools"):
         ask(tool_server, SEED_TEXT, extra_body={"chat_template_kwargs": {"tools": []}})
+
+
+CONTINUED = [
+    {"role": "user", "content": "Name a city."},
+    {"role": "assistant", "content": "The capital of France is"},
+]
+
+
+def test_offline_chat_takes_vllms_template_keywords():
+    from atom_core import SamplingParams
+    from atom_core.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(fetch_default_model(quiet=True), max_model_len=512)
+    ids = engine.apply_chat_template(CONTINUED, add_generation_prompt=False, continue_final_message=True)
+    assert engine.tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    continued = engine.chat(CONTINUED, greedy, False, add_generation_prompt=False, continue_final_message=True)
+    assert continued[0]["token_ids"] == engine.generate(ids, greedy, use_tqdm=False)[0]["token_ids"]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        engine.apply_chat_template(CONTINUED, continue_final_message=True)
+    opened = engine.apply_chat_template(CONTINUED)  # the default: a closed turn, then the reply's opening
+    assert engine.tokenizer.decode(opened).endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_server_continues_a_final_message_when_asked(tool_server):
+    tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
+    want = len(tokenizer.encode(chat_text(tokenizer, CONTINUED, None, None, False, True), add_special_tokens=False))
+    r = tool_server.chat.completions.create(
+        model=tool_server.models.list().data[0].id, messages=CONTINUED, max_tokens=2, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == want
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs add_generation_prompt=false"):
+        tool_server.chat.completions.create(
+            model=tool_server.models.list().data[0].id, messages=CONTINUED, max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip

@@ -47,12 +47,16 @@ def tool_calls_of(message: dict[str, Any]) -> dict[str, Any]:
 
 def chat_text(
     tokenizer: Any, messages: Any, tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:  # fmt: skip
     """The prompt `messages` make through the tokenizer's chat template, ready for the reply
     (`tools`: OpenAI's, for a template that lists them; `template_kwargs`: the template's own
-    variables, vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); ValueError naming
-    the message a template could not take (rather than jinja's error)."""
+    variables, vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), or with
+    `continue_final_message` open at the end of the last message, for the model to go on with
+    it; ValueError naming the message a template could not take (rather than jinja's error)."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list, got {messages!r}")
     for i, m in enumerate(messages):
@@ -61,7 +65,8 @@ def chat_text(
     messages = [{**m, "content": text_content(m.get("content"), i), **tool_calls_of(m)} for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-        )
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}),
+        )  # fmt: skip
     except Exception as e:  # the template's own checks (jinja2's errors, raise_exception)
         raise ValueError(f"the model's chat template cannot render these messages: {e}") from None

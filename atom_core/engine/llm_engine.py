@@ -201,17 +201,41 @@ class LLMEngine:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[dict[str, Any]]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them (the keywords
+        as vLLM's `LLM.chat` has them: OpenAI `tools` for a template that lists them, the
+        template's own variables, or the last message left open for the model to go on)."""
         conversations = cast(
             "list[list[dict[str, str]]]",
             [messages] if messages and isinstance(messages[0], dict) else list(messages),
         )
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        prompts = [
+            self.apply_chat_template(
+                c,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )  # fmt: skip
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:  # fmt: skip
         """The token ids of `conversation` (OpenAI-style messages: content a string, a list of
         text parts, or none) through the model's chat template, ready for the reply."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.config.model} has no chat template; use generate() with plain prompts")
-        return self.tokenizer.encode(chat_text(self.tokenizer, conversation), add_special_tokens=False)
+        text = chat_text(
+            self.tokenizer, conversation, tools, chat_template_kwargs, add_generation_prompt, continue_final_message
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -50,7 +50,7 @@ KNOWN_FIELDS = frozenset(
     "model prompt messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop stream "
     "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
     "ignore_eos stop_token_ids user tools tool_choice best_of suffix logit_bias min_tokens prompt_logprobs "
-    "include_stop_str_in_output chat_template_kwargs "
+    "include_stop_str_in_output chat_template_kwargs add_generation_prompt continue_final_message "
     "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar".split()
 )
 # vLLM's older per-kind fields, read as `structured_outputs` entries.
@@ -314,7 +314,10 @@ def build_app(
 
     def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
         kwargs = _field(body, "chat_template_kwargs", (dict,), {})
-        reserved = sorted(set(kwargs) & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt"})
+        reserved = sorted(
+            set(kwargs)
+            & {"messages", "conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message"}
+        )
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         return kwargs
@@ -322,8 +325,17 @@ def build_app(
     def chat_prompt(body: dict[str, Any]) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+        continue_final = _field(body, "continue_final_message", (bool,), False)
+        if generation_prompt and continue_final:
+            raise ApiError(
+                400, "continue_final_message needs add_generation_prompt=false (vLLM's rule)", "continue_final_message"
+            )
         try:
-            text = chat_text(tokenizer, body.get("messages"), body.get("tools"), template_kwargs(body))
+            text = chat_text(
+                tokenizer, body.get("messages"), body.get("tools"), template_kwargs(body), generation_prompt,
+                continue_final,
+            )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         return encode(text, "messages", add_special_tokens=False)
