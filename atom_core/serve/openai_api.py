@@ -31,6 +31,14 @@ from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
 from atom_core.serve.reasoning_parser import ReasoningParser, ReasoningStream
+from atom_core.serve.responses_api import (
+    BadResponsesRequest,
+    ResponseEvents,
+    ResponseShape,
+    chat_request,
+    response_events,
+    response_of,
+)
 from atom_core.serve.text_stream import TextStream
 from atom_core.serve.tool_parser import ToolParser
 from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
@@ -669,7 +677,35 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        return await chat_response(request, await read_body(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        """OpenAI's Responses API, answered through the chat path (responses_api.py)."""
         body = await read_body(request)
+        try:
+            chat = chat_request(body)
+        except BadResponsesRequest as e:
+            raise ApiError(400, str(e), e.param) from None
+        shape = ResponseShape(body, served_model_name)
+
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            result = await chat_response(request, chat)
+        except ApiError as e:  # the chat path's names for the fields, as this request gave them
+            if e.param == "max_tokens":
+                raise ApiError(
+                    e.status, str(e).replace("max_tokens", "max_output_tokens"), "max_output_tokens"
+                ) from None
+            raise
+        if isinstance(result, StreamingResponse):
+            events = response_events(ResponseEvents(shape, count), result.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return response_of(shape, result, count)
+
+    async def chat_response(request: Request, body: dict[str, Any]) -> Any:
         try:
             tools = ForcedToolCalls.of(body, tool_parser)
         except ValueError as e:
