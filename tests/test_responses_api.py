@@ -126,3 +126,25 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(tool_server, extra, par
     with pytest.raises(openai.BadRequestError) as e:
         tool_server.responses.create(**ask)
     assert says in str(e.value) and e.value.body["param"] == param, e.value.body
+
+
+def test_a_client_that_leaves_a_response_stream_frees_its_request(tool_server):  # noqa: F811
+    import time
+
+    import httpx
+    from test_serve import metric_values
+
+    url = str(tool_server.base_url).rstrip("/").removesuffix("/v1")
+    body = {"input": QUESTION, "max_output_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=120) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 12:
+                break  # leave mid-reply: the server aborts the request
+    deadline = time.time() + 1.5  # its blocks are back within a step or two (the reply would take seconds)
+    while True:
+        values = metric_values(url)
+        idle = [values[f'atom:{name}{{engine="0"}}'] for name in ("num_requests_running", "kv_cache_usage_perc")]
+        if idle == [0.0, 0.0] or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle == [0.0, 0.0]

@@ -353,20 +353,26 @@ class ResponseEvents:
 
 
 async def response_events(events: ResponseEvents, chat_stream: AsyncIterable[Any]) -> AsyncIterator[str]:
-    """A chat completion's server-sent events as a Response's."""
-    for e in events.start():
-        yield e
-    async for raw in chat_stream:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                for e in events.failed(chunk["error"].get("message", "the request failed")):
+    """A chat completion's server-sent events as a Response's. Closing this stream (a client
+    that left) closes the chat stream at once, which aborts its request in the core."""
+    try:
+        for e in events.start():
+            yield e
+        async for raw in chat_stream:
+            text = raw.decode() if isinstance(raw, bytes) else raw
+            for line in text.splitlines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    for e in events.failed(chunk["error"].get("message", "the request failed")):
+                        yield e
+                    return
+                for e in events.chunk(chunk):
                     yield e
-                return
-            for e in events.chunk(chunk):
-                yield e
-    for e in events.end():
-        yield e
+        for e in events.end():
+            yield e
+    finally:
+        close = getattr(chat_stream, "aclose", None)
+        if close is not None:
+            await close()
