@@ -129,10 +129,8 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(tool_server, extra, par
 
 
 def test_a_client_that_leaves_a_response_stream_frees_its_request(tool_server):  # noqa: F811
-    import time
-
     import httpx
-    from test_serve import metric_values
+    from test_serve import settles_idle
 
     url = str(tool_server.base_url).rstrip("/").removesuffix("/v1")
     body = {"input": QUESTION, "max_output_tokens": 900, "ignore_eos": True, "stream": True}
@@ -140,11 +138,4 @@ def test_a_client_that_leaves_a_response_stream_frees_its_request(tool_server): 
         for i, _ in enumerate(r.iter_lines()):
             if i > 12:
                 break  # leave mid-reply: the server aborts the request
-    deadline = time.time() + 1.5  # its blocks are back within a step or two (the reply would take seconds)
-    while True:
-        values = metric_values(url)
-        idle = [values[f'atom:{name}{{engine="0"}}'] for name in ("num_requests_running", "kv_cache_usage_perc")]
-        if idle == [0.0, 0.0] or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert idle == [0.0, 0.0]
+    assert settles_idle(url, 1.5)  # its blocks are back within a step or two (the reply would take seconds)

@@ -339,14 +339,7 @@ def test_a_client_that_leaves_mid_stream_does_not_stop_the_others(server, client
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
-    deadline = time.time() + 5  # the aborted request's blocks are back within a step or two
-    while True:
-        values = metric_values(server)
-        idle = [values[f'atom:{name}{{engine="0"}}'] for name in ("num_requests_running", "kv_cache_usage_perc")]
-        if idle == [0.0, 0.0] or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert idle == [0.0, 0.0]
+    assert settles_idle(server, 5)  # the aborted request's blocks are back within a step or two
 
 
 def test_a_stream_shorter_than_its_stop_string_is_sent_once(client, model_name, offline):
@@ -399,6 +392,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, model_name, of
         model=model_name, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True, extra_body=extra
     )
     assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices) == kept["text"]
+
+
+def settles_idle(server, seconds: float) -> bool:
+    """Whether rank 0 runs no request and holds no KV block within `seconds` (/metrics)."""
+    deadline = time.time() + seconds
+    while True:
+        values = metric_values(server)
+        idle = [values[f'atom:{name}{{engine="0"}}'] for name in ("num_requests_running", "kv_cache_usage_perc")]
+        if idle == [0.0, 0.0]:
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def metric_values(server) -> dict[str, float]:
