@@ -20,7 +20,7 @@ from atom_core.engine.fetch import fetch_default_model
 from atom_core.plugins.manager import get_registry
 from atom_core.serve.reasoning_parser import ReasoningStream
 from atom_core.serve.tool_parser import ParsedCall
-from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
+from atom_core.serve.tools import AutoToolCalls, tool_calls_for, tool_functions
 
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": {
@@ -29,6 +29,8 @@ TOOLS = [
         "type": "object", "properties": {"zone": {"type": "string"}, "exact": {"type": "boolean"},
                                          "where": {"type": "object"}}}}},
 ]  # fmt: skip
+
+FUNCTIONS = tool_functions(TOOLS)
 
 HERMES = (
     'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
@@ -54,7 +56,7 @@ CASES = [
 
 
 def parser(name: str):
-    return get_registry("tool_parsers").get(name)(TOOLS)
+    return get_registry("tool_parsers").get(name)(FUNCTIONS)
 
 
 @pytest.mark.parametrize(("name", "text", "content"), CASES)
@@ -72,7 +74,7 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_wherever_its_text_is_
         for pieces in ([text[:cut], text[cut:]], list(text) if cut == 1 else None):
             if pieces is None:
                 continue
-            stream = AutoToolCalls(type(parser(name)), TOOLS).stream()
+            stream = AutoToolCalls(type(parser(name)), FUNCTIONS).stream()
             sent, calls, so_far = "", [], ""
             for k, piece in enumerate(pieces):
                 so_far += piece
@@ -88,7 +90,7 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_wherever_its_text_is_
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "qwen3_coder"])
 def test_text_that_only_looks_like_the_start_of_a_call_is_streamed_as_text(name):
     text = "  The tag is <tool_ca" if name != "llama3_json" else "  The answer"
-    stream = AutoToolCalls(type(parser(name)), TOOLS).stream()
+    stream = AutoToolCalls(type(parser(name)), FUNCTIONS).stream()
     first = stream.delta(text, text, False).get("content", "")
     rest = stream.delta("", text, True).get("content", "")
     assert first + rest == text and stream.reason("stop") == "stop"
@@ -96,8 +98,8 @@ def test_text_that_only_looks_like_the_start_of_a_call_is_streamed_as_text(name)
 
 def test_hermes_calls_that_do_not_read_are_text_and_a_cut_last_call_leaves_the_others():
     broken = '<tool_call>\n{"name": "weather", "arguments": {"city": \n</tool_call>'
-    assert AutoToolCalls(type(parser("hermes")), TOOLS).message(broken) is None  # the server sends the text
-    stream = AutoToolCalls(type(parser("hermes")), TOOLS).stream()
+    assert AutoToolCalls(type(parser("hermes")), FUNCTIONS).message(broken) is None  # the server sends the text
+    stream = AutoToolCalls(type(parser("hermes")), FUNCTIONS).stream()
     assert stream.delta(broken, broken, True) == {"content": broken} and stream.reason("stop") == "stop"
     cut = HERMES[: HERMES.rindex('"zone"')]  # max_tokens ended the second call
     assert parser("hermes").parse(cut, final=True).calls == CALLS[:1]
@@ -126,9 +128,9 @@ def test_qwen3_coder_types_parameters_by_the_tools_schema():
 def test_auto_needs_a_parser_and_says_which_flags_give_one():
     body = {"tools": TOOLS, "messages": []}
     with pytest.raises(ValueError, match="--enable-auto-tool-choice and --tool-call-parser"):
-        ForcedToolCalls.of(body)
-    assert isinstance(ForcedToolCalls.of({**body, "tool_choice": "auto"}, type(parser("hermes"))), AutoToolCalls)
-    assert ForcedToolCalls.of({**body, "tool_choice": "none"}, type(parser("hermes"))) is None
+        tool_calls_for(body)
+    assert isinstance(tool_calls_for({**body, "tool_choice": "auto"}, type(parser("hermes"))), AutoToolCalls)
+    assert tool_calls_for({**body, "tool_choice": "none"}, type(parser("hermes"))) is None
 
 
 def test_history_tool_call_arguments_reach_the_template_as_objects():
@@ -160,8 +162,7 @@ THOUGHT = "<think>\nThe user wants Paris.\n</think>\n\n"
 
 
 def split_whole(name: str, text: str) -> tuple[str, str]:
-    reasoning, answer, _ = get_registry("reasoning_parsers").get(name)().split(text, final=True)
-    return reasoning, answer
+    return get_registry("reasoning_parsers").get(name)().split(text, final=True)
 
 
 @pytest.mark.parametrize(

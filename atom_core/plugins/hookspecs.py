@@ -114,7 +114,8 @@ def atom_register_tool_parsers(registry: PluginRegistry) -> None:
     "llama3_json", "qwen3_coder"), e.g. `registry.register("mistral", "my_pkg.tools:MistralToolParser")`.
 
     Asked when `atom serve --enable-auto-tool-choice --tool-call-parser NAME` starts; built as
-    `cls(tools)` for each reply to a request whose `tool_choice` is "auto"."""
+    `cls(functions)` (the request's tools, name -> `parameters` schema) for each reply to a
+    request whose `tool_choice` is "auto"."""
 
 
 @hookspec

@@ -41,7 +41,7 @@ from atom_core.serve.responses_api import (
 )
 from atom_core.serve.text_stream import TextStream
 from atom_core.serve.tool_parser import ToolParser
-from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls
+from atom_core.serve.tools import AutoToolCalls, ForcedToolCalls, tool_calls_for
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -487,12 +487,12 @@ def build_app(
                     choice["finish_reason"], choice["stop_reason"] = "length", None
                 thought: dict[str, Any] = {}
                 if reasoning is not None:  # vLLM's field, and its older name
-                    said, content, _ = reasoning().split(content, final=True)
+                    said, content = reasoning().split(content, final=True)
                     thought = {"reasoning": said or None, "reasoning_content": said or None}
                 message = tools.message(content) if tools is not None else None
                 if tools is not None and message is not None:  # the reply made calls: OpenAI's tool calls
                     choice["message"] = {**message, **thought}
-                    choice["finish_reason"] = tools.reason(reason, content)
+                    choice["finish_reason"] = tools.reason(reason)
                     choice["logprobs"] = chat_logprob_entries(tokens, logprobs[i], top_n) if chat_logprobs else None
                 elif kind == "chat":
                     choice["message"] = {"role": "assistant", "content": content, **thought}
@@ -707,7 +707,7 @@ def build_app(
 
     async def chat_response(request: Request, body: dict[str, Any]) -> Any:
         try:
-            tools = ForcedToolCalls.of(body, tool_parser)
+            tools = tool_calls_for(body, tool_parser)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
         ids = chat_prompt(body)

@@ -13,45 +13,33 @@ from __future__ import annotations
 
 import attrs
 
+from atom_core.serve.text_stream import held
+
 
 class ReasoningParser:
     """One reasoning format: `start` and `end` tags, and whether a reply opens in reasoning."""
 
     start, end = "<think>", "</think>"
 
-    def opens_in_reasoning(self, text: str) -> bool | None:
-        """Whether the reply (`text`, so far) begins with reasoning; None while it cannot tell
-        yet. Here: when it opens with `start` (Qwen3's thinking mode)."""
-        head = text.lstrip()
-        if head.startswith(self.start):
-            return True
-        return None if self.start.startswith(head) else False
+    def opens_in_reasoning(self, text: str) -> bool:
+        """Whether the reply (`text`: it has got past anything that may still become `start`)
+        begins with reasoning. Here: when it opens with `start` (Qwen3's thinking mode)."""
+        return text.lstrip().startswith(self.start)
 
-    def split(self, text: str, final: bool) -> tuple[str, str, bool]:
-        """(reasoning, answer, decided) of the reply so far: before the end, what may still be
-        a tag is in neither; `decided` is False while nothing can be sent yet."""
-        opens = self.opens_in_reasoning(text)
-        if opens is None:
-            return ("", text, True) if final else ("", "", False)
-        if not opens:
-            return "", text, True
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of the reply so far: before the end, what may still be a tag is
+        in neither."""
         head = text.lstrip()
         if not final and len(head) < len(self.start) and self.start.startswith(head):
-            return "", "", False  # may yet be the opening tag (a reply that opens in reasoning regardless)
+            return "", ""  # may yet be the opening tag: nothing can be told yet
+        if not self.opens_in_reasoning(text):
+            return "", text
         begin = len(text) - len(head) + len(self.start) if head.startswith(self.start) else 0
         close = text.find(self.end, begin)
         if close < 0:
             end = len(text) if final else len(text) - held(self.end, text)
-            return text[begin:end], "", True
-        return text[begin:close], text[close + len(self.end) :].lstrip("\n"), True
-
-
-def held(tag: str, text: str) -> int:
-    """How many characters at the end of `text` are the start of `tag` (0 if none)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+            return text[begin:end], ""
+        return text[begin:close], text[close + len(self.end) :].lstrip("\n")
 
 
 @attrs.define
@@ -64,7 +52,7 @@ class ReasoningStream:
 
     def add(self, text: str, final: bool) -> tuple[str, str]:
         """(new reasoning to send, the answer's text so far) for the reply's `text` so far."""
-        reasoning, answer, _ = self.parser.split(text, final)
+        reasoning, answer = self.parser.split(text, final)
         new = reasoning[self.reasoning_sent :]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         return new, answer

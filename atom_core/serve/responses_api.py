@@ -241,6 +241,18 @@ def response_of(shape: ResponseShape, completion: dict[str, Any], count: Any) ->
 
 
 @attrs.define
+class OpenItem:
+    """The output item a stream is writing: its kind ("reasoning", "message" or "call"), id,
+    place in the output, text so far, and for a call its id and name."""
+
+    kind: str
+    id: str
+    index: int
+    text: str = ""
+    call: dict[str, Any] | None = None
+
+
+@attrs.define
 class ResponseEvents:
     """Chat chunks in, Responses stream events out: each output item opened when its first
     piece comes (reasoning, the message, each call) and closed when the next begins or the
@@ -250,10 +262,9 @@ class ResponseEvents:
     count: Any  # text -> its token count (usage's reasoning_tokens)
     sequence: int = 0
     output: list[dict[str, Any]] = attrs.field(factory=list)  # closed items
-    open: dict[str, Any] | None = None  # the item being written: kind, id, text, call
+    open: OpenItem | None = None
     finish: str | None = None
     usage: dict[str, Any] | None = None
-    reasoning_text: str = ""
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -264,41 +275,40 @@ class ResponseEvents:
         opening = self.shape.response("in_progress", [])
         return [self.event("response.created", response=opening), self.event("response.in_progress", response=opening)]
 
-    def _open(self, kind: str, item: dict[str, Any], text: str = "") -> list[str]:
+    def _open(self, kind: str, item: dict[str, Any], call: dict[str, Any] | None = None) -> list[str]:
         out = self.close()
-        index = len(self.output)
-        self.open = {"kind": kind, "id": item["id"], "text": text, "item": item, "index": index}
-        out.append(self.event("response.output_item.added", output_index=index, item=item))
-        if kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part))  # fmt: skip
-        elif kind == "reasoning":
-            part = {"type": "reasoning_text", "text": ""}
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part))  # fmt: skip
+        self.open = OpenItem(kind, item["id"], len(self.output), call=call)
+        out.append(self.event("response.output_item.added", output_index=self.open.index, item=item))
+        part = {
+            "message": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            "reasoning": {"type": "reasoning_text", "text": ""},
+        }.get(kind)
+        if part is not None:
+            where = {"item_id": item["id"], "output_index": self.open.index, "content_index": 0}
+            out.append(self.event("response.content_part.added", **where, part=part))
         return out
 
     def close(self) -> list[str]:
-        if self.open is None:
+        o, self.open = self.open, None
+        if o is None:
             return []
-        o, out = self.open, []
-        self.open = None
-        where = {"item_id": o["id"], "output_index": o["index"]}
-        if o["kind"] == "message":
-            part = {"type": "output_text", "text": o["text"], "annotations": [], "logprobs": []}
-            out.append(self.event("response.output_text.done", **where, content_index=0, text=o["text"], logprobs=[]))
+        out, where = [], {"item_id": o.id, "output_index": o.index}
+        if o.kind == "message":
+            part = {"type": "output_text", "text": o.text, "annotations": [], "logprobs": []}
+            out.append(self.event("response.output_text.done", **where, content_index=0, text=o.text, logprobs=[]))
             out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-            item = message_item(o["text"], item_id=o["id"])
-        elif o["kind"] == "reasoning":
-            out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=o["text"]))
-            part = {"type": "reasoning_text", "text": o["text"]}
+            item = message_item(o.text, item_id=o.id)
+        elif o.kind == "reasoning":
+            out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=o.text))
+            part = {"type": "reasoning_text", "text": o.text}
             out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-            item = reasoning_item(o["text"], item_id=o["id"])
+            item = reasoning_item(o.text, item_id=o.id)
         else:
-            call = {**o["call"], "function": {**o["call"]["function"], "arguments": o["text"]}}
-            item = call_item(call, item_id=o["id"])
-            out.append(self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=o["text"]))  # fmt: skip
+            assert o.call is not None
+            item = call_item({**o.call, "function": {**o.call["function"], "arguments": o.text}}, item_id=o.id)
+            out.append(self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=o.text))  # fmt: skip
         self.output.append(item)
-        out.append(self.event("response.output_item.done", output_index=o["index"], item=item))
+        out.append(self.event("response.output_item.done", output_index=o.index, item=item))
         return out
 
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
@@ -309,22 +319,20 @@ class ResponseEvents:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("reasoning"):
-                if self.open is None or self.open["kind"] != "reasoning":
+                if self.open is None or self.open.kind != "reasoning":
                     out += self._open(
                         "reasoning", {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
                     )
                 out += self._text(delta["reasoning"], "response.reasoning_text.delta")
-                self.reasoning_text += delta["reasoning"]
             if delta.get("content"):
-                if self.open is None or self.open["kind"] != "message":
+                if self.open is None or self.open.kind != "message":
                     out += self._open("message", message_item("", "in_progress"))
                 out += self._text(delta["content"], "response.output_text.delta", logprobs=[])
             for call in delta.get("tool_calls") or []:
                 arguments = (call.get("function") or {}).get("arguments") or ""
                 if call.get("id"):  # a new call (its first delta has its id and name)
                     whole = {"id": call["id"], "function": {"name": call["function"]["name"], "arguments": ""}}
-                    out += self._open("call", call_item(whole, "in_progress"))
-                    self.open["call"] = whole  # type: ignore[index]
+                    out += self._open("call", call_item(whole, "in_progress"), whole)
                 if arguments and self.open is not None:
                     out += self._text(arguments, "response.function_call_arguments.delta")
             if choice.get("finish_reason"):
@@ -333,8 +341,8 @@ class ResponseEvents:
 
     def _text(self, piece: str, kind: str, **extra: Any) -> list[str]:
         assert self.open is not None
-        self.open["text"] += piece
-        where = {"item_id": self.open["id"], "output_index": self.open["index"]}
+        self.open.text += piece
+        where = {"item_id": self.open.id, "output_index": self.open.index}
         if kind != "response.function_call_arguments.delta":
             where["content_index"] = 0
         return [self.event(kind, **where, delta=piece, **extra)]
@@ -342,7 +350,8 @@ class ResponseEvents:
     def end(self) -> list[str]:
         out = self.close()
         incomplete = "max_output_tokens" if self.finish == "length" else None
-        usage = usage_of(self.usage, self.reasoning_text, self.count)
+        reasoning_text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
+        usage = usage_of(self.usage, reasoning_text, self.count)
         final = self.shape.response("incomplete" if incomplete else "completed", self.output, usage, incomplete)
         return [*out, self.event("response.incomplete" if incomplete else "response.completed", response=final)]
 

@@ -7,6 +7,15 @@ from typing import Any
 from atom_core.engine.output_processor import final_text
 
 
+def held(tag: str, text: str) -> int:
+    """How many characters at the end of `text` are the start of `tag` (0 if none): what a
+    stream keeps back until the next text shows whether the tag follows."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 class TextStream:
     """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
     character or the start of a stop string that may yet complete."""

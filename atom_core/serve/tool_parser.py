@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from atom_core.serve.reasoning_parser import held
+from atom_core.serve.text_stream import held
 
 
 @attrs.frozen
@@ -42,13 +42,14 @@ class ToolParser:
     """Reads the tool calls in one reply. Subclasses set `start` (the text that opens the calls)
     and implement `parse`; `calls_begin` and `held_back` serve most formats as they are.
 
-    Built as `cls(tools)` per reply, `tools` being the request's OpenAI `tools` list (a parser
-    that types arguments by their schema reads it; the others ignore it)."""
+    Built as `cls(functions)` per reply, `functions` being the request's tools as name ->
+    `parameters` schema (`tools.tool_functions`: a parser that types arguments by their schema
+    reads it; the others ignore it)."""
 
     start: str = ""
 
-    def __init__(self, tools: list[dict[str, Any]]):
-        self.tools = tools
+    def __init__(self, functions: dict[str, dict[str, Any]]):
+        self.functions = functions
 
     def calls_begin(self, text: str) -> int:
         """Where the calls begin in `text`, or -1 while none has: the text before is content."""
@@ -64,14 +65,6 @@ class ToolParser:
         only the calls known complete: a call, once returned, is never taken back or changed."""
         raise NotImplementedError
 
-    def schema_of(self, function: str) -> dict[str, Any]:
-        """The `parameters` schema of the request's tool named `function` ({} if none is)."""
-        for tool in self.tools:
-            f = tool.get("function") if isinstance(tool, dict) else None
-            if isinstance(f, dict) and f.get("name") == function:
-                return f.get("parameters") or {}
-        return {}
-
 
 class TaggedToolParser(ToolParser):
     """Calls each between `start` and `end` tags (Hermes' and Qwen's `<tool_call>`); the text
@@ -79,14 +72,17 @@ class TaggedToolParser(ToolParser):
 
     start, end = "<tool_call>", "</tool_call>"
 
+    def __init__(self, functions: dict[str, dict[str, Any]]):
+        super().__init__(functions)
+        opening, closing = re.escape(self.start), re.escape(self.end)
+        self.pattern = re.compile(f"{opening}(.*?){closing}|{opening}(.*)\\Z", re.DOTALL)
+
     def parse(self, text: str, final: bool) -> ParsedReply:
         begin = self.calls_begin(text)
         if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
-        opening, closing = re.escape(self.start), re.escape(self.end)
-        pattern = re.compile(f"{opening}(.*?){closing}|{opening}(.*)\\Z", re.DOTALL)
         calls = []
-        for closed, unclosed in pattern.findall(text, begin):
+        for closed, unclosed in self.pattern.findall(text, begin):
             if not closed and not final:  # the last call may still be written
                 break
             call = self.call(closed or unclosed)

@@ -43,6 +43,41 @@ def tool_functions(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def tool_calls_for(
+    body: dict[str, Any], parser: type[ToolParser] | None = None
+) -> ForcedToolCalls | AutoToolCalls | None:
+    """From a chat request's `tools` and `tool_choice`; None where the reply is text (no
+    tools, or "none"); `parser`: the server's for "auto", if it was started with one.
+    ValueError for what cannot be served, naming the field."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return None
+    functions = tool_functions(tools)
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        if parser is None:
+            raise ValueError(
+                'tool_choice "auto" (the default with tools) needs the server started with '
+                "--enable-auto-tool-choice and --tool-call-parser (as vLLM's); without them use "
+                '"required", a named function, or "none"'
+            )
+        return AutoToolCalls(parser, functions)
+    if choice == "required":
+        return ForcedToolCalls(None, functions)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(
+            f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+            f"{{'name': ...}}}}, got {choice!r}"
+        )
+    if name not in functions:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+    return ForcedToolCalls(name, functions)
+
+
 @attrs.define
 class ForcedToolCalls:
     """The reply of a request whose `tool_choice` names a function (`name`) or is "required"
@@ -50,39 +85,6 @@ class ForcedToolCalls:
 
     name: str | None
     functions: dict[str, dict[str, Any]]
-
-    @classmethod
-    def of(cls, body: dict[str, Any], parser: type[ToolParser] | None = None) -> ForcedToolCalls | AutoToolCalls | None:
-        """From a chat request's `tools` and `tool_choice`; None where the reply is text (no
-        tools, or "none"); `parser`: the server's for "auto", if it was started with one.
-        ValueError for what cannot be served, naming the field."""
-        tools, choice = body.get("tools"), body.get("tool_choice")
-        if not tools:
-            if choice not in (None, "none"):
-                raise ValueError(f"tool_choice {choice!r} needs tools")
-            return None
-        functions = tool_functions(tools)
-        if choice == "none":
-            return None
-        if choice in (None, "auto"):
-            if parser is None:
-                raise ValueError(
-                    'tool_choice "auto" (the default with tools) needs the server started with '
-                    "--enable-auto-tool-choice and --tool-call-parser (as vLLM's); without them use "
-                    '"required", a named function, or "none"'
-                )
-            return AutoToolCalls(parser, tools)
-        if choice == "required":
-            return cls(None, functions)
-        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-        if not isinstance(name, str):
-            raise ValueError(
-                f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
-                f"{{'name': ...}}}}, got {choice!r}"
-            )
-        if name not in functions:
-            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
-        return cls(name, functions)
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema the reply follows."""
@@ -99,11 +101,10 @@ class ForcedToolCalls:
         ]
         return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
-    def reason(self, reason: str | None, text: str) -> str | None:
-        """OpenAI's finish reason: "tool_calls" for required calls that ended as the grammar
-        completed, "stop" (as it was) for a named function's, as vLLM has them."""
-        if self.calls(text) is None:
-            return reason
+    def reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason for a reply that made its calls: "tool_calls" for required calls
+        that ended as the grammar completed, "stop" (as it was) for a named function's, as vLLM
+        has them."""
         return "tool_calls" if self.name is None and reason == "stop" else reason
 
     def message(self, text: str) -> dict[str, Any] | None:
@@ -140,12 +141,11 @@ class ForcedStream:
     have been cut short)."""
 
     tools: ForcedToolCalls
-    started: bool = False
-    text: str = ""
+    started: bool = False  # a named call's first delta went out (its id and name)
+    made_calls: bool = False  # a required reply's calls went out (not its text)
 
     def delta(self, new: str, text: str, finished: bool) -> dict[str, Any]:
         """`new`: the text this step completed; `text`: all of it so far. {}: nothing to send."""
-        self.text = text
         if self.tools.name is not None:
             if not new:
                 return {}
@@ -160,10 +160,11 @@ class ForcedStream:
         calls = self.tools.calls(text)
         if calls is None:
             return {"content": text}
+        self.made_calls = True
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
 
     def reason(self, reason: str | None) -> str | None:
-        return self.tools.reason(reason, self.text)
+        return self.tools.reason(reason) if self.tools.name is not None or self.made_calls else reason
 
 
 @attrs.define
@@ -172,23 +173,23 @@ class AutoToolCalls:
     calls the model wrote (vLLM's `--enable-auto-tool-choice`)."""
 
     parser: type[ToolParser]
-    tools: list[dict[str, Any]]
+    functions: dict[str, dict[str, Any]]
 
     def message(self, text: str) -> dict[str, Any] | None:
         """The reply's content and calls; None (plain text) where it made none, or made them
         in a form the parser cannot read."""
-        reply = self.parser(self.tools).parse(text, final=True)
+        reply = self.parser(self.functions).parse(text, final=True)
         if reply.malformed or not reply.calls:
             return None
         calls = [tool_call(c.name, c.arguments) for c in reply.calls]
         return {"role": "assistant", "content": reply.content, "tool_calls": calls}
 
-    def reason(self, reason: str | None, text: str) -> str | None:
-        """ "tool_calls" once the reply made calls (vLLM's, whatever ended it), else as it was."""
-        return "tool_calls" if self.message(text) is not None else reason
+    def reason(self, reason: str | None) -> str | None:
+        """The finish reason of a reply that made calls: "tool_calls" (vLLM's, whatever ended it)."""
+        return "tool_calls"
 
     def stream(self) -> AutoStream:
-        return AutoStream(self.parser(self.tools))
+        return AutoStream(self.parser(self.functions))
 
 
 @attrs.define

@@ -8,5 +8,5 @@ from atom_core.serve.reasoning_parser import ReasoningParser
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
-    def opens_in_reasoning(self, text: str) -> bool | None:
+    def opens_in_reasoning(self, text: str) -> bool:
         return True

@@ -49,7 +49,7 @@ class Qwen3CoderToolParser(TaggedToolParser):
         if function is None:
             return None
         name = function.group(1)
-        properties = self.schema_of(name).get("properties") or {}
+        properties = self.functions.get(name, {}).get("properties") or {}
         arguments = {}
         for key, raw in PARAMETER.findall(function.group(2)):
             value = raw.removeprefix("\n").removesuffix("\n")
