@@ -58,18 +58,20 @@ def optional_token_id(inst: Any, attr: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attr.name} must be a token id (integer >= 0) or None, got {value!r}")
 
 
-def token_id_list(value: Any) -> list[int]:
-    """attrs converter for `stop_token_ids` (config and per request)."""
-    if value is None:
-        return []
+def token_ids_of(field: str, value: Any) -> list[int]:
+    """`value` as a list of token ids (numpy's integers count: np.int64 is no int); errors name `field`."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {value!r}")
-    # numpy's integers (np.int64 is no int) count as ids, as they do for max_tokens
+        raise ValueError(f"{field} must be a list of token ids, got {value!r}")
     ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in value]
     for t in ids:
         if not _is_token_id(t):
-            raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
+            raise ValueError(f"{field} must hold token ids (integers >= 0), got {t!r}")
     return ids
+
+
+def token_id_list(value: Any) -> list[int]:
+    """attrs converter for `stop_token_ids` (config and per request)."""
+    return [] if value is None else token_ids_of("stop_token_ids", value)
 
 
 def one_of(choices: tuple) -> Any:

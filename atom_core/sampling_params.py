@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from atom_core._validators import boolean, in_unit_interval, is_number, token_id_list
+from atom_core._validators import boolean, in_unit_interval, is_number, token_id_list, token_ids_of
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -189,6 +189,45 @@ def _stop_strings(value: object) -> list[str]:
     return items
 
 
+def _allowed_token_ids(value: object) -> list[int] | None:
+    if value is None:
+        return None
+    ids = token_ids_of("allowed_token_ids", value)
+    if not ids:
+        raise ValueError("allowed_token_ids must name at least one token id (None allows every token)")
+    return ids
+
+
+def _bad_words(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {value!r}")
+    for word in value:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words must hold words (non-blank strings), got {word!r}")
+    return list(value)
+
+
+def _truncate_prompt_tokens(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value == 0 or value < -1):
+        raise ValueError(
+            f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens), -1 (its last "
+            f"max_model_len) or None, got {value!r}"
+        )
+
+
+def truncate_prompt(ids: Any, keep: int | None, max_model_len: int) -> Any:
+    """`ids` left-truncated as `truncate_prompt_tokens` asks: its last `keep` tokens (-1: its last
+    `max_model_len`); a `keep` over `max_model_len` is an error, as in vLLM."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_model_len}")
+    keep = max_model_len if keep == -1 else keep
+    return list(ids)[-keep:]
+
+
 @attrs.define(kw_only=True, init=False)
 class SamplingParams:
     temperature: float = attrs.field(default=1.0, converter=_float_like, validator=_temperature)
@@ -231,6 +270,18 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = attrs.field(default=None, converter=_logit_bias)
     # A grammar the output must match; its mask applies before sampling. Such a request drafts nothing.
     structured_output: StructuredOutputParams | None = attrs.field(default=None, converter=_structured_output)
+    # Only these token ids may be sampled (vLLM's allowed_token_ids), before every other mask.
+    allowed_token_ids: list[int] | None = attrs.field(default=None, converter=_allowed_token_ids)
+    # Words the output may not contain (vLLM's bad_words): each word's tokens, with and without a
+    # leading space; the last token of one is banned wherever the output ends with the rest.
+    bad_words: list[str] = attrs.field(factory=list, converter=_bad_words)
+    # Keep only the prompt's last k tokens (-1: its last max_model_len), vLLM's left truncation.
+    truncate_prompt_tokens: int | None = attrs.field(
+        default=None, converter=_int_like, validator=_truncate_prompt_tokens
+    )
+    # Special tokens (EOS, chat markers) left out of the text, as vLLM and transformers' decode do
+    # by default; the token ids keep them either way.
+    skip_special_tokens: bool = attrs.field(default=True, validator=boolean)
 
     def __init__(self, *, stop: str | list[str] | None = None, **fields: Any) -> None:
         """The fields by name; `stop` is vLLM's name for `stop_strings`, taken as well."""
@@ -269,6 +320,8 @@ class SamplingParams:
             or self.logit_bias is not None
             or self.min_tokens > 0
             or self.structured_output is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
     @property

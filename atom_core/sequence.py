@@ -107,6 +107,8 @@ class Sequence:
         self.spec_token_probs = None  # the proposer's distributions for spec_token_ids, if it has them
         self.draft_gate: DraftGate | None = None  # speculative decoding: whether this request keeps drafting
         self.grammar: Grammar | None = None  # structured output: the matcher its tokens follow
+        # SamplingParams.bad_words as token sequences (set by the engine, which has the tokenizer)
+        self.bad_words_token_ids: list[list[int]] = []
         # The ids that would end it (EOS, stop token ids): banned while it has fewer than
         # min_tokens tokens. Set by the scheduler, which knows the model's.
         self.min_tokens_stop_ids: frozenset[int] = self.stop_token_ids

@@ -778,6 +778,43 @@ def test_logit_bias_and_min_tokens_act_as_defined(client, model_name, offline):
     assert longer.usage.completion_tokens >= n + 10
 
 
+def test_vllms_token_and_text_fields_act_as_offline(client, server, model_name, offline):
+    def completion(prompt=PROMPT, **extra):
+        r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=4, extra_body=extra)
+        return r
+
+    allowed = completion(allowed_token_ids=[1234, 99]).choices[0].text
+    params = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[1234, 99])
+    assert allowed == offline.generate(PROMPT, params, use_tqdm=False)[0]["text"]
+    long = " ".join(["word"] * 1500)  # past max_model_len (1024) unless truncated
+    cut = completion(long, truncate_prompt_tokens=100)
+    want = offline.generate(
+        [offline.tokenizer.encode(long)[-100:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )[0]
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text == want["text"]
+    ask = offline.apply_chat_template(QUESTION)
+    for fields in ({"bad_words": ["Paris"]}, {"skip_special_tokens": False, "include_stop_str_in_output": True}):
+        reply = (
+            client.chat.completions.create(
+                model=model_name, messages=QUESTION, temperature=0, max_tokens=40, extra_body=fields
+            )
+            .choices[0]
+            .message.content
+        )
+        params = SamplingParams(temperature=0, max_tokens=40, **fields)
+        assert reply == offline.generate([ask], params, use_tqdm=False)[0]["text"]
+    assert reply.endswith(offline.tokenizer.eos_token)  # the last: special tokens kept, EOS's too
+    for field, value, says in (
+        ("truncate_prompt_tokens", 0, "truncate_prompt_tokens must be an integer >= 1"),
+        ("truncate_prompt_tokens", 2000, "truncate_prompt_tokens=2000 exceeds max_model_len=1024"),
+        ("allowed_token_ids", [5, 10**8], "allowed_token_ids names token 100000000, outside the vocabulary"),
+        ("bad_words", "Paris", "bad_words must be list"),
+        ("skip_special_tokens", "no", "skip_special_tokens must be bool"),
+    ):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", field: value}, timeout=60)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 def test_tokenizer_info_serves_what_a_remote_tokenizer_needs(server, offline):
     info = httpx.get(f"{server}/tokenizer_info", timeout=10).json()
     tok = offline.tokenizer

@@ -12,10 +12,11 @@ import torch
 from conftest import CAT_SCHEMA, make_seq
 
 from atom_core import SamplingParams
+from atom_core.engine.engine_core import bad_words_token_ids
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.plugin_api import Grammar, StructuredOutputBackend, hookimpl
-from atom_core.runner.sampler import SamplingMetadata, process_logits
+from atom_core.runner.sampler import SamplingMetadata, banned_now, process_logits
 from atom_core.sched.speculative import wanted_drafts
 from atom_core.structured_output.backend import allocate_bitmask, apply_bitmask
 
@@ -134,6 +135,89 @@ def test_min_tokens_delays_eos_and_stop_strings(engine):
         assert r["text"] == (whole if include else whole[:-1]) and whole.count(",") > 1
 
 
+def test_allowed_token_ids_bad_words_and_special_tokens_as_vllm_defines_them(engine):
+    ask = engine.apply_chat_template([{"role": "user", "content": "Say hi."}])
+
+    def greedy(**fields):
+        params = SamplingParams(temperature=0, max_tokens=fields.pop("max_tokens", 40), **fields)
+        return engine.generate([ask], params, use_tqdm=False)[0]
+
+    free = greedy()
+    assert free["finish_reason"] == "eos"
+    # only the allowed ids are sampled, whatever the model prefers
+    allowed = greedy(max_tokens=8, allowed_token_ids=[100, 200, 300])["token_ids"]
+    assert set(allowed) <= {100, 200, 300} and free["token_ids"][0] not in allowed
+
+    # a bad word's tokens never appear in a row (as written, or after a space in mid-text);
+    # a word of two tokens gets its last banned only after the first
+    def occurs(word: list[int], ids: list[int]) -> bool:
+        return any(ids[i : i + len(word)] == word for i in range(len(ids)))
+
+    words = free["text"].replace("!", "").replace(".", "").replace("?", "").split()
+    two = next(w for w in words if len(engine.tokenizer.encode(" " + w, add_special_tokens=False)) == 2)
+    for word in (words[0], words[3], two):
+        sequences = bad_words_token_ids(engine.tokenizer, [word])
+        assert any(occurs(ids, free["token_ids"]) for ids in sequences), word
+        out = greedy(bad_words=[word])["token_ids"]
+        assert out and not any(occurs(ids, out) for ids in sequences), (word, sequences, out)
+    # special tokens: left out of the text by default, kept when asked; the ids are the same
+    start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = {"max_tokens": 3, "ignore_eos": True, "logit_bias": {start: 100}}
+    assert greedy(**forced)["text"] == "" and greedy(**forced, skip_special_tokens=False)["text"] == "<|im_start|>" * 3
+    # the stop token's own text (EOS here) only with include_stop_str_in_output, as in vLLM
+    kept = greedy(skip_special_tokens=False)
+    assert kept["token_ids"] == free["token_ids"] and kept["text"] == free["text"]
+    with_eos = greedy(skip_special_tokens=False, include_stop_str_in_output=True)
+    assert with_eos["text"] == free["text"] + engine.tokenizer.eos_token
+    # a stop string made of a special token is found only in the text that keeps them
+    stopped = greedy(skip_special_tokens=False, stop_strings=["<|im_end|>"], include_stop_str_in_output=True)
+    assert stopped["finish_reason"] == "stop" and stopped["text"].endswith("<|im_end|>")
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_include_stop_str_in_output(engine):
+    ask = engine.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    free = engine.generate([ask], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    stop = free["token_ids"][2]  # "!" of "Hello there!"
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop], include_stop_str_in_output=include)
+        r = engine.generate([ask], params, use_tqdm=False)[0]
+        assert r["token_ids"] == free["token_ids"][:3] and r["finish_reason"] == f"stop_{stop}"
+        assert r["text"] == engine.tokenizer.decode(free["token_ids"][: 3 if include else 2])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(engine):
+    long = list(range(1000, 1700))  # longer than max_model_len (512)
+    params = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=100)
+    cut = engine.generate([long], params, use_tqdm=False)[0]
+    same = engine.generate([long[-100:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert cut["num_prompt_tokens"] == 100 and cut["token_ids"] == same["token_ids"]
+    whole = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1)
+    assert engine.generate([long], whole, use_tqdm=False)[0]["num_prompt_tokens"] == 512
+    with pytest.raises(ValueError, match=re.escape("truncate_prompt_tokens=600 exceeds max_model_len=512")):
+        engine.add_request(long, SamplingParams(truncate_prompt_tokens=600))
+    with pytest.raises(ValueError, match="allowed_token_ids names token 49152, outside the vocabulary"):
+        engine.add_request(long[:10], SamplingParams(allowed_token_ids=[5, 49152]))
+    assert not engine.has_unfinished_requests()
+
+
+def test_banned_now_follows_vllms_bad_word_rule():
+    seq = make_seq(4, temperature=0, bad_words=["x"])
+    seq.bad_words_token_ids = [[7], [8, 9], [1, 2, 3]]
+    assert banned_now(seq) == [7]  # one token: always; two: only after the first
+    seq.append_token(8)
+    assert banned_now(seq) == [7, 9]
+    seq.append_token(1)
+    assert banned_now(seq) == [7]
+    seq.append_token(2)
+    assert banned_now(seq) == [3, 7]
+    logits = process_logits(torch.zeros(1, 12), SamplingMetadata.from_seqs([seq]))
+    assert torch.isinf(logits[0, [3, 7]]).all() and torch.isfinite(logits[0, [0, 1, 2, 4, 5, 6, 8, 9]]).all()
+    allowed = make_seq(4, temperature=0, allowed_token_ids=[2, 5])
+    logits = process_logits(torch.arange(12.0).view(1, 12), SamplingMetadata.from_seqs([allowed]))
+    assert logits[0, 2] == 2 and logits[0, 5] == 5 and torch.isinf(logits[0]).sum() == 10
+    assert allowed.sampling_params.modifies_logits and seq.sampling_params.modifies_logits
+
+
 @pytest.mark.parametrize(
     "fields, says",
     [
@@ -142,6 +226,13 @@ def test_min_tokens_delays_eos_and_stop_strings(engine):
         ({"logit_bias": [1, 2]}, "logit_bias must be a mapping"),
         ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
         ({"min_tokens": 9, "max_tokens": 8}, "min_tokens=9 exceeds max_tokens=8"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must name at least one token id"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must hold token ids (integers >= 0), got -2"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
+        ({"bad_words": [" "]}, "bad_words must hold words (non-blank strings), got ' '"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1"),
+        ({"truncate_prompt_tokens": -2}, "or None, got -2"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False, got 'no'"),
     ],
 )
 def test_bad_sampling_fields_name_the_field_limit_and_value(fields, says):

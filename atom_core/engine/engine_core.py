@@ -21,7 +21,7 @@ from atom_core.config import Config
 from atom_core.engine.model_source import ModelSource
 from atom_core.engine.output_processor import OutputProcessor, RequestState
 from atom_core.request import RequestOutput
-from atom_core.sampling_params import SamplingParams
+from atom_core.sampling_params import SamplingParams, truncate_prompt
 from atom_core.sched.scheduler import Scheduler
 from atom_core.sequence import Sequence
 
@@ -31,6 +31,20 @@ logger = logging.getLogger(__name__)
 def is_token_id_like(value: Any) -> bool:
     """An integer (int, numpy integer), not a bool: what a prompt's token ids may be."""
     return not isinstance(value, bool) and hasattr(value, "__index__")
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """The token sequences `SamplingParams.bad_words` ban, as vLLM builds them: each word as
+    it is written and, where that makes other tokens of the same count (a word in mid-text),
+    after a space."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return [ids for ids in out if ids]
 
 
 class EngineStats(msgspec.Struct):
@@ -92,8 +106,9 @@ class EngineCore:
         or changing the caller's object later does not reach a request already queued)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer, and this model folder has none")
+        for name in ("stop_strings", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name} need a tokenizer, and this model folder has none")
         params = attrs.evolve(params)
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -106,7 +121,9 @@ class EngineCore:
                 raise ValueError(f"{name}={asked}{whole} exceeds max_logprobs={limit}")
             if n is not None and n > self.vocab_size:
                 raise ValueError(f"{name}={n} exceeds the model's vocabulary of {self.vocab_size} tokens")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        named = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                 ("allowed_token_ids", params.allowed_token_ids or ()))  # fmt: skip
+        for name, ids in named:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
@@ -142,7 +159,8 @@ class EngineCore:
     ) -> int:
         """Queue one prompt's token ids; returns the request id. Errors leave nothing queued."""
         params = self.check_params(sampling_params or SamplingParams())
-        ids = self.check_token_ids(token_ids)
+        assert self.config.max_model_len is not None
+        ids = self.check_token_ids(truncate_prompt(token_ids, params.truncate_prompt_tokens, self.config.max_model_len))
         return self.add_checked(ids, params, stream_callback, self.grammar(params), prompt)
 
     def add_checked(
@@ -156,6 +174,7 @@ class EngineCore:
             has_per_req_cache=self.kv_plan.num_state_groups > 0,  # stateful attention (GDN)
         )
         seq.grammar = grammar
+        seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         state = self.requests[seq.id] = RequestState(seq, prompt, callback)
         self.scheduler.add(seq)
         self.output_processor.emit(state)  # one that can never run ends here

@@ -18,7 +18,7 @@ from atom_core.engine.engine_core import EngineCore, is_token_id_like
 from atom_core.engine.model_source import load_model_source
 from atom_core.engine.output_processor import final_text
 from atom_core.request import RequestOutput
-from atom_core.sampling_params import SamplingParams
+from atom_core.sampling_params import SamplingParams, truncate_prompt
 
 # A result's keys that belong to one completion (vLLM's CompletionOutput); the rest (prompt,
 # its token counts and logprobs, timings of the first) are the request's.
@@ -57,21 +57,25 @@ class LLMEngine:
         )
         self.timings = core.timings
         self._held_results: list[dict[str, Any]] = []  # others' results that generate() ran to the end
-        self._keeps_stop: set[int] = set()  # requests whose text keeps its stop string
+        # requests whose text is not the default's: (include_stop_str_in_output, skip_special_tokens)
+        self._text_options: dict[int, tuple[bool, bool]] = {}
 
     # -- requests ----------------------------------------------------------------------
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        """Tokenize and validate one prompt; every error names the problem."""
+    def _token_ids(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize, truncate (`truncate_prompt_tokens`) and validate one prompt; every error names the problem."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model} has no tokenizer files; pass prompts as token-id lists")
-            return self.core.check_token_ids(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text: decode it first
+            ids: Any = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but text: decode it first
             raise TypeError("a prompt must be a string or a list of token ids, got bytes (decode them to a str)")
-        if isinstance(prompt, SequenceABC):
-            return self.core.check_token_ids(prompt)
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        elif isinstance(prompt, SequenceABC):
+            ids = prompt
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        assert self.config.max_model_len is not None
+        return self.core.check_token_ids(truncate_prompt(ids, params.truncate_prompt_tokens, self.config.max_model_len))
 
     def add_request(
         self,
@@ -86,13 +90,14 @@ class LLMEngine:
                 f"n={params.n}: add_request queues one completion (queue the prompt n times with "
                 "sampling_params.for_choice(j)); generate() and chat() take n"
             )
-        ids = self._token_ids(prompt)
+        ids = self._token_ids(prompt, params)
         return self._add(ids, params, stream_callback, self.core.grammar(params), prompt)
 
     def _add(self, ids: list[int], params: SamplingParams, callback: Any, grammar: Any, prompt: Any) -> int:
         rid = self.core.add_checked(ids, params, callback, grammar, prompt)
-        if params.include_stop_str_in_output:
-            self._keeps_stop.add(rid)
+        options = (params.include_stop_str_in_output, params.skip_special_tokens)
+        if options != (False, True):
+            self._text_options[rid] = options
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -115,12 +120,12 @@ class LLMEngine:
 
     def _with_text(self, result: dict[str, Any]) -> dict[str, Any]:
         text = None
-        keep_stop = result["request_id"] in self._keeps_stop
-        self._keeps_stop.discard(result["request_id"])
+        keep_stop, skip_special = self._text_options.pop(result["request_id"], (False, True))
         if self.tokenizer is not None:
             text = final_text(
-                self.tokenizer, result["token_ids"], result["finish_reason"], result["stop_reason"], keep_stop
-            )
+                self.tokenizer, result["token_ids"], result["finish_reason"], result["stop_reason"], keep_stop,
+                skip_special,
+            )  # fmt: skip
         return {**result, "text": text}
 
     def get_spec_stats(self) -> dict[str, Any]:
@@ -163,7 +168,7 @@ class LLMEngine:
             params = [self.core.check_params(p) for p in sampling_params]
         else:
             params = [self.core.check_params(sampling_params or SamplingParams())] * len(prompts)
-        token_ids = [self._token_ids(p) for p in prompts]  # every prompt checked before any is queued
+        token_ids = [self._token_ids(p, sp) for p, sp in zip(prompts, params)]  # all checked before any is queued
         grammars = [self.core.grammar(sp) for sp in params]
         ids = [
             [self._add(t, sp.for_choice(j), None, g, p) for j in range(sp.n)]

@@ -34,14 +34,19 @@ def completed_at(text: str, before: str, stop: str) -> int:
 
 def final_text(
     tokenizer: Any, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
-    include_stop: bool = False,
+    include_stop: bool = False, skip_special: bool = True,
 ) -> str:  # fmt: skip
     """A finished request's text, up to the stop string its last token completed (as vLLM
-    returns it; through it with `include_stop`, vLLM's `include_stop_str_in_output`)."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    returns it; through it with `include_stop`, vLLM's `include_stop_str_in_output`), special
+    tokens left out unless `skip_special` is False. A stop token's own text (EOS, a stop token id)
+    is left out too, unless `include_stop` keeps it, as in vLLM."""
+    stop_token = finish_reason == FinishReason.EOS.value or (finish_reason or "").removeprefix("stop_").isdigit()
+    if stop_token and not include_stop and token_ids:
+        token_ids = token_ids[:-1]
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special)
     if finish_reason != FinishReason.STOP.value or not isinstance(stop_reason, str):
         return text
-    cut = completed_at(text, tokenizer.decode(token_ids[:-1], skip_special_tokens=True), stop_reason)
+    cut = completed_at(text, tokenizer.decode(token_ids[:-1], skip_special_tokens=skip_special), stop_reason)
     return text if cut < 0 else text[: cut + len(stop_reason) * include_stop]
 
 
@@ -80,12 +85,13 @@ class OutputProcessor:
         # emoji is three of a byte-level vocabulary), so a stop string of n UTF-8 bytes lies
         # within the last n tokens: decode only that tail.
         window = max(len(s.encode("utf-8")) for s in seq.stop_strings) + 4
+        skip = seq.sampling_params.skip_special_tokens  # the text the stop strings are looked for in
         # under min_tokens no stop string counts (vLLM's rule: only past min_tokens tokens)
         for n in range(max(start, 1, seq.sampling_params.min_tokens + 1), len(tokens) + 1):
-            tail = self.tokenizer.decode(tokens[max(0, n - window) : n], skip_special_tokens=True)
+            tail = self.tokenizer.decode(tokens[max(0, n - window) : n], skip_special_tokens=skip)
             if not any(s in tail for s in seq.stop_strings):
                 continue
-            before = self.tokenizer.decode(tokens[max(0, n - window) : n - 1], skip_special_tokens=True)
+            before = self.tokenizer.decode(tokens[max(0, n - window) : n - 1], skip_special_tokens=skip)
             for s in seq.stop_strings:
                 if completed_at(tail, before, s) >= 0:
                     return n, s

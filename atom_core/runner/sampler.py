@@ -38,10 +38,12 @@ class SamplingMetadata:
     steps: list[int]  # tokens each request has generated so far
     min_ps: list[float] | None = None  # None: no row drops by min_p
     penalties: list[Penalties | None] | None = None  # None: no row has penalties
-    # Per row the token ids added to (logit_bias) and the ids it may not sample yet (its stop
-    # ids under min_tokens); None: no row has any.
+    # Per row the token ids added to (logit_bias), the ids it may not sample now (its stop ids
+    # under min_tokens, the last token of a bad word the output is about to complete) and the
+    # only ids it may sample (allowed_token_ids); None: no row has any.
     logit_biases: list[dict[int, float] | None] | None = None
     banned_token_ids: list[list[int] | None] | None = None
+    allowed_token_ids: list[list[int] | None] | None = None
     # int32 [rows, ceil(vocab / 32)]: the tokens each row's grammar allows next (see
     # `structured_output.backend`); None: no row has a grammar.
     allowed_bitmask: torch.Tensor | None = None
@@ -59,10 +61,8 @@ class SamplingMetadata:
             for s, p in zip(seqs, params)
         ]  # fmt: skip
         biases = [p.logit_bias for p in params]
-        banned = [
-            sorted(s.min_tokens_stop_ids) if s.num_completion_tokens < p.min_tokens else None
-            for s, p in zip(seqs, params)
-        ]
+        banned = [banned_now(s) for s in seqs]
+        allowed = [p.allowed_token_ids for p in params]
         bitmask = None
         grammars = [getattr(s, "grammar", None) for s in seqs]
         if any(g is not None for g in grammars):
@@ -83,21 +83,42 @@ class SamplingMetadata:
             penalties=penalties if any(x is not None for x in penalties) else None,
             logit_biases=biases if any(b is not None for b in biases) else None,
             banned_token_ids=banned if any(b for b in banned) else None,
+            allowed_token_ids=allowed if any(a is not None for a in allowed) else None,
             allowed_bitmask=bitmask,
         )
 
 
+def banned_now(seq: Any) -> list[int] | None:
+    """The ids `seq` may not sample at its next token: its stop ids while under min_tokens, and
+    the last token of each bad word whose other tokens end its output (vLLM's rules)."""
+    banned = set(seq.min_tokens_stop_ids) if seq.num_completion_tokens < seq.sampling_params.min_tokens else set()
+    if seq.bad_words_token_ids:
+        output = seq.completion_token_ids
+        for word in seq.bad_words_token_ids:
+            head = len(word) - 1
+            if head <= len(output) and (head == 0 or output[-head:] == word[:-1]):
+                banned.add(word[-1])
+    return sorted(banned) or None
+
+
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """float32 logits with everything but sampling applied, in vLLM's order: the grammar's
-    mask, min_tokens' banned stop ids, logit bias, then penalties. Every sampler calls this
-    first (a plugin sampler too: a request's grammar and bias hold whichever samples it)."""
+    mask, allowed_token_ids, the banned ids (min_tokens' stop ids, bad words), logit bias, then
+    penalties. Every sampler calls this first (a plugin sampler too: a request's grammar and
+    bias hold whichever samples it)."""
     if meta.allowed_bitmask is not None:
         from atom_core.structured_output.backend import apply_bitmask
 
         logits = apply_bitmask(logits, meta.allowed_bitmask)
-    if meta.banned_token_ids is not None or meta.logit_biases is not None:
+    if meta.banned_token_ids is not None or meta.logit_biases is not None or meta.allowed_token_ids is not None:
         logits = logits.clone()
         dev = logits.device
+        for row, allowed in enumerate(meta.allowed_token_ids or ()):
+            if allowed is not None:
+                keep = torch.tensor([t for t in allowed if t < logits.shape[-1]], dtype=torch.int64, device=dev)
+                kept = logits[row, keep]
+                logits[row] = float("-inf")
+                logits[row, keep] = kept
         for row, banned in enumerate(meta.banned_token_ids or ()):
             if banned:
                 logits[row, torch.tensor(banned, dtype=torch.int64, device=dev)] = float("-inf")

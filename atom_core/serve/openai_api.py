@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.engine.chat_template import chat_text
-from atom_core.sampling_params import MAX_N, choice_seed
+from atom_core.sampling_params import MAX_N, choice_seed, truncate_prompt
 from atom_core.serve.client import EngineClient, EngineDead, RequestFailed
 from atom_core.serve.metrics import Metrics, RequestTimer
 from atom_core.serve.protocol import Delta
@@ -59,7 +59,8 @@ KNOWN_FIELDS = frozenset(
     "stream_options logprobs top_logprobs echo seed presence_penalty frequency_penalty repetition_penalty "
     "ignore_eos stop_token_ids user tools tool_choice best_of suffix logit_bias min_tokens prompt_logprobs "
     "include_stop_str_in_output chat_template_kwargs add_generation_prompt continue_final_message "
-    "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar".split()
+    "structured_outputs response_format guided_json guided_regex guided_choice guided_grammar "
+    "allowed_token_ids bad_words truncate_prompt_tokens skip_special_tokens".split()
 )
 # vLLM's older per-kind fields, read as `structured_outputs` entries.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -152,6 +153,10 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
         "include_stop_str_in_output": _field(body, "include_stop_str_in_output", (bool,), False),
         "logit_bias": _field(body, "logit_bias", (dict,)),
         "structured_output": structured_output(body),
+        "allowed_token_ids": _field(body, "allowed_token_ids", (list,)),
+        "bad_words": _field(body, "bad_words", (list,), []),
+        "truncate_prompt_tokens": _field(body, "truncate_prompt_tokens", (int,)),
+        "skip_special_tokens": _field(body, "skip_special_tokens", (bool,), True),
     }
     prompt_logprobs = _field(body, "prompt_logprobs", (int,))
     if prompt_logprobs is not None:
@@ -238,6 +243,13 @@ def build_app(
         bad = next((t for t in ids if not 0 <= t < ready.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"{field} token {bad} is outside the vocabulary [0, {ready.vocab_size})", field)
+
+    def truncated(ids: list[int], params: dict[str, Any]) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` leaves it (its last k tokens)."""
+        try:
+            return truncate_prompt(ids, params["truncate_prompt_tokens"], max_model_len)
+        except ValueError as e:
+            raise ApiError(400, str(e), "truncate_prompt_tokens") from None
 
     def check_prompt(ids: list[int], max_tokens: int | None) -> None:
         if not ids:
@@ -376,6 +388,7 @@ def build_app(
             SamplingParams(**params)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), param_of(str(e))) from None
+        prompts = [truncated(ids, params) for ids in prompts]
         for ids in prompts:
             check_prompt(ids, params["max_tokens"])
         n = _field(body, "n", (int,), 1)
@@ -422,7 +435,11 @@ def build_app(
                 for task in tasks:
                     task.cancel()
 
-        texts = [TextStream(tokenizer, params["stop_strings"], params["include_stop_str_in_output"]) for _ in jobs]
+        texts = [
+            TextStream(tokenizer, params["stop_strings"], params["include_stop_str_in_output"],
+                       params["skip_special_tokens"])
+            for _ in jobs
+        ]  # fmt: skip
         chat_logprobs = kind == "chat" and bool(body.get("logprobs"))
         wants_logprobs = params.get("logprobs") is not None
         top_n = params.get("logprobs") or 0
@@ -710,8 +727,8 @@ def build_app(
             tools = tool_calls_for(body, tool_parser)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
-        ids = chat_prompt(body)
         params = sampling_params(body, None)
+        ids = truncated(chat_prompt(body), params)
         if isinstance(tools, ForcedToolCalls):
             if params["structured_output"] is not None:
                 raise ApiError(

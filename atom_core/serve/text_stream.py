@@ -20,8 +20,8 @@ class TextStream:
     """Detokenizes one choice as its tokens arrive, without ever handing out half a UTF-8
     character or the start of a stop string that may yet complete."""
 
-    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False):
-        self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
+    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False, skip_special: bool = True):
+        self.tokenizer, self.stop, self.include_stop, self.skip_special = tokenizer, stop, include_stop, skip_special
         self.token_ids: list[int] = []
         self.sent = 0  # characters handed out
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -34,10 +34,12 @@ class TextStream:
         """The text the new tokens complete (empty while a character or a stop string may go on)."""
         self.token_ids += token_ids
         if finished:
-            text = self.text = final_text(self.tokenizer, self.token_ids, finish_reason, stop_reason, self.include_stop)
+            text = self.text = final_text(
+                self.tokenizer, self.token_ids, finish_reason, stop_reason, self.include_stop, self.skip_special
+            )
             end = len(text)
         else:
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special)
             end = len(text) - self.hold  # below `sent` (or 0) while the text is shorter than a stop string
             while end > self.sent and text[end - 1] == "\ufffd":  # an unfinished character
                 end -= 1
