@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), "
-        "qwen3_coder (Qwen3-Coder, Qwen3-Next, Qwen3.5), or a plugin's (atom plugins lists them)",
+        "qwen3_coder (Qwen3-Coder, Qwen3-Next, Qwen3.5), mistral (Mistral, Mixtral), pythonic (Llama 3.2, Llama 4), "
+        "deepseek_v3 (DeepSeek-V3, V3.1, R1-0528), or a plugin's (atom plugins lists them)",
     )  # fmt: skip
     serve.add_argument(
         "--reasoning-parser", default=None, metavar="NAME",

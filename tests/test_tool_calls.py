@@ -44,6 +44,21 @@ QWEN3_CODER = (
     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=time>\n"
     "<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>"
 )
+MISTRAL = (
+    'Let me look.[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris", "days": 2}}, '
+    '{"name": "time", "arguments": {"zone": "CET"}}]'
+)
+MISTRAL_V11 = 'Let me look.[TOOL_CALLS]weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]time[ARGS]{"zone": "CET"}'
+PYTHONIC = '[weather(city="Paris", days=2), time(zone="CET")]'
+DEEPSEEK_V3 = (
+    "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n"
+    '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>time\n'
+    '```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+DEEPSEEK_V31 = (
+    'Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Paris", "days": 2}'
+    '<｜tool▁call▁end｜><｜tool▁call▁begin｜>time<｜tool▁sep｜>{"zone": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
 CALLS = [
     ParsedCall("weather", json.dumps({"city": "Paris", "days": 2})),
     ParsedCall("time", json.dumps({"zone": "CET"})),
@@ -52,6 +67,12 @@ CASES = [
     ("hermes", HERMES, "Let me look.\n"),
     ("llama3_json", LLAMA, None),
     ("qwen3_coder", QWEN3_CODER, "Let me look.\n"),
+    ("mistral", MISTRAL, "Let me look."),
+    ("mistral", MISTRAL_V11, "Let me look."),
+    ("pythonic", PYTHONIC, None),
+    ("pythonic", "<|python_start|>" + PYTHONIC + "<|python_end|>", None),
+    ("deepseek_v3", DEEPSEEK_V3, "Let me look."),
+    ("deepseek_v3", DEEPSEEK_V31, "Let me look."),
 ]
 
 
@@ -87,9 +108,11 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_wherever_its_text_is_
             assert stream.reason("stop") == "tool_calls"
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "qwen3_coder"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic", "deepseek_v3"])
 def test_text_that_only_looks_like_the_start_of_a_call_is_streamed_as_text(name):
-    text = "  The tag is <tool_ca" if name != "llama3_json" else "  The answer"
+    text = {"llama3_json": "  The answer", "pythonic": "  The answer", "mistral": "  The tag is [TOOL_CA"}.get(
+        name, "  The tag is <tool_ca" if name != "deepseek_v3" else "  The tag is <｜tool▁call"
+    )
     stream = AutoToolCalls(type(parser(name)), FUNCTIONS).stream()
     first = stream.delta(text, text, False).get("content", "")
     rest = stream.delta("", text, True).get("content", "")
@@ -113,6 +136,32 @@ def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():
     tagged = '<|python_tag|>{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
     assert parser("llama3_json").parse(tagged, final=True).calls == CALLS[:1]
     assert parser("llama3_json").parse('{"city": "Paris"}', final=True).malformed  # JSON, but no call
+
+
+def test_mistral_pythonic_and_deepseek_replies_that_are_no_calls_are_text():
+    for name, text in (
+        ("mistral", 'Sure.[TOOL_CALLS] [{"name": "weather", "arguments": {"city": '),  # cut in the first call
+        ("mistral", "Sure.[TOOL_CALLS]weather"),
+        ("pythonic", "[1, 2, 3] are the numbers."),
+        ("pythonic", "[weather(city=Paris)]"),  # a name, not a literal
+        ("pythonic", "[weather('Paris')]"),  # positional
+        ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{bad}\n```"
+                        "<｜tool▁call▁end｜>"),
+    ):  # fmt: skip
+        reply = parser(name).parse(text, final=True)
+        assert (reply.content, reply.calls, reply.malformed) == (text, [], True), (name, text)
+        assert AutoToolCalls(type(parser(name)), FUNCTIONS).message(text) is None
+    # a call cut short at the end leaves the ones before it
+    cut = 'Hi[TOOL_CALLS]weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]time[ARGS]{"zo'
+    assert parser("mistral").parse(cut, final=True).calls == CALLS[:1]
+    dotted = parser("pythonic").parse('[brave_search.call(query="x", n=None, tags=["a", 1.5])]', final=True)
+    assert dotted.calls == [ParsedCall("brave_search.call", json.dumps({"query": "x", "n": None, "tags": ["a", 1.5]}))]
+
+
+def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
+    keeps = {name for name in ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic", "deepseek_v3")
+             if not type(parser(name)).skip_special_tokens}  # fmt: skip
+    assert keeps == {"mistral", "deepseek_v3"}
 
 
 def test_qwen3_coder_types_parameters_by_the_tools_schema():
@@ -202,24 +251,31 @@ SEED_CALLS, SEED_TEXT, SEED_THINK = 4242, 4343, 4444
 PLAIN = "Paris is sunny <today>."
 
 
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    """A server reading Hermes calls and Qwen3's reasoning, whose scripted sampler writes HERMES
-    for requests seeded SEED_CALLS, PLAIN for SEED_TEXT and THOUGHT + HERMES for SEED_THINK."""
+def scripted_server(folder, parser: str, replies: dict[int, str], *flags: str):
+    """A server reading `parser`'s calls whose scripted sampler writes replies[seed] for a request
+    seeded `seed`; yields its client."""
     tokenizer = AutoTokenizer.from_pretrained(fetch_default_model(quiet=True))
-    script = tmp_path_factory.mktemp("script") / "replies.json"
+    script = folder / "replies.json"
     script.write_text(json.dumps({
         "eos": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "replies": {str(s): tokenizer.encode(t, add_special_tokens=False) for s, t in ((SEED_CALLS, HERMES), (SEED_TEXT, PLAIN), (SEED_THINK, THOUGHT + HERMES))},
+        "replies": {str(s): tokenizer.encode(t, add_special_tokens=False) for s, t in replies.items()},
     }))  # fmt: skip
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     proc, url = start_server(
-        "--sampler", "scripted", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--sampler", "scripted", "--enable-auto-tool-choice", "--tool-call-parser", parser, *flags,
         env={"ATOM_PLUGINS": "script_plugin", "ATOM_SCRIPT_FILE": str(script),
              "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A server reading Hermes calls and Qwen3's reasoning, whose scripted sampler writes HERMES
+    for requests seeded SEED_CALLS, PLAIN for SEED_TEXT and THOUGHT + HERMES for SEED_THINK."""
+    replies = {SEED_CALLS: HERMES, SEED_TEXT: PLAIN, SEED_THINK: THOUGHT + HERMES}
+    yield from scripted_server(tmp_path_factory.mktemp("script"), "hermes", replies, "--reasoning-parser", "qwen3")
 
 
 def ask(client, seed: int, **extra):
@@ -318,3 +374,20 @@ def test_the_server_continues_a_final_message_when_asked(tool_server):
             model=tool_server.models.list().data[0].id, messages=CONTINUED, max_tokens=2,
             extra_body={"continue_final_message": True},
         )  # fmt: skip
+
+
+def test_a_parser_whose_markers_are_special_tokens_gets_the_text_that_keeps_them(tmp_path):
+    """Under `mistral` the reply's text keeps special tokens (its `[TOOL_CALLS]` is one in
+    Mistral's vocabulary; here `<|im_start|>`, one of SmolLM2's, shows it is kept)."""
+    reply = "<|im_start|>" + MISTRAL
+    for client in scripted_server(tmp_path, "mistral", {SEED_CALLS: reply}):
+        for stream in (False, True):
+            if stream:
+                chunks = [c for c in ask(client, SEED_CALLS, stream=True) if c.choices]
+                content = "".join(c.choices[0].delta.content or "" for c in chunks)
+                calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            else:
+                message = ask(client, SEED_CALLS).choices[0].message
+                content, calls = message.content, message.tool_calls
+            assert content == "<|im_start|>Let me look."
+            assert [ParsedCall(c.function.name, c.function.arguments) for c in calls] == CALLS

@@ -39,6 +39,9 @@ def atom_register_tool_parsers(registry):
     registry.register("hermes", "atom_core.serve.tool_parsers.hermes:HermesToolParser")
     registry.register("llama3_json", "atom_core.serve.tool_parsers.llama3_json:Llama3JsonToolParser")
     registry.register("qwen3_coder", "atom_core.serve.tool_parsers.qwen3_coder:Qwen3CoderToolParser")
+    registry.register("mistral", "atom_core.serve.tool_parsers.mistral:MistralToolParser")
+    registry.register("pythonic", "atom_core.serve.tool_parsers.pythonic:PythonicToolParser")
+    registry.register("deepseek_v3", "atom_core.serve.tool_parsers.deepseek_v3:DeepSeekV3ToolParser")
 
 
 @hookimpl

@@ -728,6 +728,8 @@ def build_app(
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
         params = sampling_params(body, None)
+        if isinstance(tools, AutoToolCalls) and not tools.parser.skip_special_tokens:
+            params["skip_special_tokens"] = False  # the calls' markers are special tokens
         ids = truncated(chat_prompt(body), params)
         if isinstance(tools, ForcedToolCalls):
             if params["structured_output"] is not None:

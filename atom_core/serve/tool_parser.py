@@ -47,6 +47,9 @@ class ToolParser:
     reads it; the others ignore it)."""
 
     start: str = ""
+    # False where the format's markers are special tokens (Mistral's `[TOOL_CALLS]`): the reply's
+    # text then keeps special tokens, as `SamplingParams.skip_special_tokens=False` does.
+    skip_special_tokens: bool = True
 
     def __init__(self, functions: dict[str, dict[str, Any]]):
         self.functions = functions
