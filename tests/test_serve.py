@@ -376,6 +376,38 @@ def test_text_stream_hands_out_each_character_once_whatever_the_stop_strings(off
         assert "".join(pieces) == whole == stream.text
 
 
+def test_text_stream_decodes_incrementally_and_ends_on_the_whole_decode(offline):
+    """Streamed pieces join to the text decoded whole, for text with characters split over
+    several tokens and for random ids (special tokens kept or not), however the ids arrive;
+    and, a token at a time, each decode before the end reads a few tokens, not the reply so far
+    (random ids may leave a character unfinished for longer)."""
+    import random
+
+    from atom_core.serve.text_stream import TextStream
+
+    tokenizer = offline.tokenizer
+    text = "Grüße aus Köln 🎉🚀 — 東京タワー, naïve café; emoji 👩‍👩‍👧 end. " * 12
+    rng = random.Random(7)
+    sequences = [tokenizer.encode(text), [rng.randrange(len(tokenizer)) for _ in range(400)]]
+    read = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            read.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    for ids, bound in zip(sequences, (12, None)):
+        for skip in (True, False):
+            for chunk in (1, 3, 7):
+                stream, pieces, read[:] = TextStream(Counting(), [], skip_special=skip), [], []
+                for at in range(0, len(ids), chunk):
+                    last = at + chunk >= len(ids)
+                    pieces.append(stream.add(ids[at : at + chunk], last, "max_tokens" if last else None))
+                    if not last and bound and chunk == 1:  # a decode step's token at a time
+                        assert max(read, default=0) <= bound, max(read)
+                assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip) == stream.text
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(client, model_name, offline):
     want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]["text"]
     stop = want.split()[1]
