@@ -251,9 +251,10 @@ class SamplingParams:
     min_tokens: int = attrs.field(default=0, converter=_int_like, validator=_min_tokens)
     ignore_eos: bool = attrs.field(default=False, validator=boolean)
     stop_strings: list[str] = attrs.field(factory=list, converter=_stop_strings)
-    # The text ends after its stop string rather than before it (vLLM's field of that name).
+    # The text ends after its stop string (or stop token's text) rather than before it (vLLM's field).
     include_stop_str_in_output: bool = attrs.field(default=False, validator=boolean)
-    # End this request on any of these ids (kept in the output, finish_reason "stop_<id>"),
+    # End this request on any of these ids (kept in token_ids, its text only with
+    # include_stop_str_in_output; finish_reason "stop_<id>"),
     # ignore_eos or not: vLLM's per-request stop_token_ids.
     stop_token_ids: list[int] = attrs.field(factory=list, converter=token_id_list)
     seed: int | None = attrs.field(default=None, converter=_int_like, validator=_seed)
