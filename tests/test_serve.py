@@ -127,6 +127,28 @@ def test_streamed_text_equals_the_whole_for_completions_and_chat(client, model_n
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model_name):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options=options
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 8 and counts[0] < 8
+    assert chunks[-1].choices == [] and all(
+        c.usage.total_tokens == c.usage.prompt_tokens + n for c, n in zip(chunks, counts)
+    )
+    plain = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+
+
 def test_sse_framing_ends_with_done(server, model_name):
     body = {"model": model_name, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=120) as r:

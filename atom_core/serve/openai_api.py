@@ -399,7 +399,10 @@ def build_app(
         jobs = [(ids, {**params, "seed": choice_seed(params["seed"], j)}) for ids in prompts for j in range(n)]
         created, rid = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
-        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
+        stream_options = body.get("stream_options") or {}
+        usage_wanted = bool(stream_options.get("include_usage")) if stream else True
+        # vLLM's: every chunk carries the usage so far
+        usage_always = usage_wanted and stream and bool(stream_options.get("continuous_usage_stats"))
         merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or exception), every choice at once
 
         rank = client.pick_rank(len(jobs))  # every choice of a request on one rank (its children share blocks)
@@ -562,6 +565,8 @@ def build_app(
                     "model": served_model_name,
                     "choices": choices,
                 }
+                if usage_always and "usage" not in extra:
+                    extra["usage"] = usage(finals, sum(len(t.token_ids) for t in texts))
                 return f"data: {json.dumps({**body, **extra})}\n\n"
 
             finals: list[Delta | None] = [None] * len(jobs)
