@@ -388,7 +388,6 @@ def build_app(
             SamplingParams(**params)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), param_of(str(e))) from None
-        prompts = [truncated(ids, params) for ids in prompts]
         for ids in prompts:
             check_prompt(ids, params["max_tokens"])
         n = _field(body, "n", (int,), 1)
@@ -695,7 +694,7 @@ def build_app(
                 body = {**body, "_score_only": True}
         elif params["max_tokens"] == 0:
             raise ApiError(400, "max_tokens=0 is only allowed with echo (scoring the prompt)", "max_tokens")
-        return await run(request, "completion", prompts_of(body), params, body)
+        return await run(request, "completion", [truncated(ids, params) for ids in prompts_of(body)], params, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -116,3 +116,23 @@ def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "paramete
     if not isinstance(arguments, dict):
         return None
     return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def json_calls(body: str, separator: str = "", lists: bool = False) -> list[ParsedCall] | None:
+    """The calls written whole so far as JSON call objects one after another (`separator`
+    between them; with `lists`, lists of them too); None until the first is whole, or where a
+    value is not a call. Text after the last whole value is not read: not written yet, or not
+    calls."""
+    decoder, at, calls = json.JSONDecoder(), 0, list[ParsedCall]()
+    while rest := body[at:].lstrip().removeprefix(separator).lstrip():
+        try:
+            value, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            break
+        items = value if lists and isinstance(value, list) else [value]
+        found = [c for c in map(call_of, items) if c is not None]
+        if not found or len(found) < len(items):
+            return None
+        calls += found
+        at = len(body) - len(rest) + end
+    return calls or None

@@ -3,9 +3,7 @@ where the special token is kept), `{"name": ..., "parameters": {...}}`, several 
 
 from __future__ import annotations
 
-import json
-
-from atom_core.serve.tool_parser import ParsedCall, ParsedReply, ToolParser, call_of
+from atom_core.serve.tool_parser import ParsedReply, ToolParser, json_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -28,21 +26,7 @@ class Llama3JsonToolParser(ToolParser):
         if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
         body = text[begin:].removeprefix(PYTHON_TAG)
-        decoder, at = json.JSONDecoder(), 0
-        calls: list[ParsedCall] = []
-        while True:
-            rest = body[at:].lstrip().removeprefix(";").lstrip()
-            if not rest:
-                break
-            try:
-                item, end = decoder.raw_decode(rest)
-            except json.JSONDecodeError:  # not written yet, or not a call
-                if final and not calls:
-                    return ParsedReply(text, [], malformed=True)
-                break
-            call = call_of(item)
-            if call is None:
-                return ParsedReply(text, [], malformed=True)
-            calls.append(call)
-            at = len(body) - len(rest) + end
+        calls = json_calls(body, ";")
+        if calls is None:  # not (yet) calls: wait for the end, then the whole reply is text
+            return ParsedReply(text, [], malformed=True) if final and body.strip() else ParsedReply(None, [])
         return ParsedReply(None, calls)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from atom_core.serve.tool_parser import ParsedCall, ParsedReply, ToolParser, call_of
+from atom_core.serve.tool_parser import ParsedCall, ParsedReply, ToolParser, call_of, json_calls
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -26,31 +26,12 @@ class MistralToolParser(ToolParser):
         content = text[:begin] if text[:begin].strip() else None
         body = text[begin + len(TOOL_CALLS) :].lstrip()
         if body[:1] in ("[", "{") or (not body and not final):
-            calls = json_calls(body)
+            calls = json_calls(body, lists=True)
         else:
             calls = named_calls(text[begin:], final)
         if calls is None:  # not (yet) calls: wait for the end, then the whole reply is text
             return ParsedReply(text, [], malformed=True) if final else ParsedReply(content, [])
         return ParsedReply(content, calls)
-
-
-def json_calls(body: str) -> list[ParsedCall] | None:
-    """The calls of the JSON form: a list of call objects (or objects one after another), those
-    written whole so far; None until the first is, or if it is no calls."""
-    decoder, at, calls = json.JSONDecoder(), 0, list[ParsedCall]()
-    while body[at:].strip():
-        rest = body[at:].lstrip()
-        try:
-            value, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:  # not written whole yet, or text after the calls
-            break
-        items = value if isinstance(value, list) else [value]
-        found = [c for c in map(call_of, items) if c is not None]
-        if not found or len(found) < len(items):
-            return None
-        calls += found
-        at = len(body) - len(rest) + end
-    return calls or None
 
 
 def named_calls(text: str, final: bool) -> list[ParsedCall] | None:
@@ -59,11 +40,13 @@ def named_calls(text: str, final: bool) -> list[ParsedCall] | None:
     calls: list[ParsedCall] = []
     for piece in text.split(TOOL_CALLS)[1:]:
         name, sep, arguments = piece.partition(ARGS)
-        try:
-            value, _ = json.JSONDecoder().raw_decode(arguments.lstrip()) if sep else (None, 0)
-        except json.JSONDecodeError:
-            value = None
-        call = call_of({"name": name.strip(), "arguments": value}) if name.strip() and value is not None else None
+        call = None
+        if name.strip() and sep:
+            try:
+                value, _ = json.JSONDecoder().raw_decode(arguments.lstrip())
+                call = call_of({"name": name.strip(), "arguments": value})
+            except json.JSONDecodeError:
+                pass
         if call is None:
             return calls if calls or not final else None
         calls.append(call)

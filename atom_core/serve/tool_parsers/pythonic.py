@@ -41,11 +41,10 @@ def call(node: ast.expr) -> ParsedCall | None:
     """`name(key=literal, ...)` as a call; None for anything else."""
     if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
         return None
-    name = ast.unparse(node.func)  # a dotted name (`brave_search.call`) is a name too
-    if not isinstance(node.func, (ast.Name, ast.Attribute)):
+    if not isinstance(node.func, (ast.Name, ast.Attribute)):  # a dotted name (`brave_search.call`) is a name too
         return None
     try:
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+        return ParsedCall(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False))
     except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON (a set, bytes)
         return None
