@@ -10,7 +10,10 @@
 // chunks with a running (online) softmax, so each K/V value read serves the whole tile.
 // Everything accumulates in float32 whatever the cache dtype, which may be narrower than the
 // queries' (`Config.kv_cache_dtype`: float32 queries over a bfloat16 or float16 cache read its
-// values widened, the same sums as over a float32 cache holding those values).
+// values widened, the same sums as over a float32 cache holding those values). One exception,
+// bfloat16 queries over a bfloat16 cache on a CPU with avx512_bf16 (`PairTiled`): the tiled
+// path multiplies in bfloat16 pairs, the probabilities rounded to bfloat16 for the product with
+// V, as torch's own CPU attention does in bfloat16.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
@@ -33,20 +36,29 @@ namespace {
 
 using atom::to_float;
 
+// a * b + c, fused where the CPU has FMA (one rounding, one instruction)
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // exp(x) for x <= 0 (a score minus its row's maximum), within ~2 ulp of expf and
 // written so the compiler vectorises it; libm's expf is scalar.
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;  // exp(-87) ~ 1.6e-38: smaller weights round to nothing
-  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);  // x = k ln2 + r
-  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  const float k = __builtin_floorf(madd(x, 1.44269504088896341f, 0.5f));  // x = k ln2 + r
+  const float r = madd(-k, 1.42860682030941723212e-6f, madd(-k, 0.693145751953125f, x));
   float p = 1.f / 5040.f;  // Taylor series of exp(r), |r| <= ln2 / 2: error < 1.2e-7
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  p = madd(p, r, 1.f / 720.f);
+  p = madd(p, r, 1.f / 120.f);
+  p = madd(p, r, 1.f / 24.f);
+  p = madd(p, r, 1.f / 6.f);
+  p = madd(p, r, 0.5f);
+  p = madd(p, r, 1.f);
+  p = madd(p, r, 1.f);
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);  // p * 2^k
 }
 
@@ -221,6 +233,10 @@ using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>
 constexpr int64_t kShortQuery = 8;
 // Tokens per tile: with the group's heads, the rows that share each chunk of K/V.
 constexpr int64_t kTileTokens = 8;
+// Chunks of keys per softmax step of the tiled path: a row's maximum, exponentials and sum
+// are taken over this many keys at a time (the online softmax's rescaling once per block),
+// its scores staying in L1 (tile rows x 256 keys x 4 bytes).
+constexpr int64_t kSoftmaxChunks = 8;
 
 // A layer's attention options: a sliding window (a query at position p sees keys
 // p - window + 1 .. p; 0: every earlier key), soft-capped scores (cap * tanh(s / cap); 0:
@@ -252,17 +268,17 @@ struct Tiled {
   static_assert(D == 0 || N % kSlice == 0, "the tiled path takes head dims of a multiple of kSlice vectors");
   static constexpr int kAccRows = kWide ? 6 : 2;
 
-  // s[r][0..kChunk) = qf[r] . the chunk's keys (kt: the chunk, [D][kChunk]) for rows [0, rows).
-  static void scores(const float* qf, int64_t rows, const float* kt, float* s) {
+  // s[r * ss + 0..kChunk) = qf[r] . the chunk's keys (kt: the chunk, [D][kChunk]) for rows [0, rows).
+  static void scores(const float* qf, int64_t rows, const float* kt, float* s, int64_t ss) {
     int64_t r0 = 0;
-    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qf + r0 * D, kt, s + r0 * kChunk);
-    if (r0 < rows) by_count<kScoreRows - 1>(rows - r0, [&](auto r) { score_rows<r>(qf + r0 * D, kt, s + r0 * kChunk); });
+    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qf + r0 * D, kt, s + r0 * ss, ss);
+    if (r0 < rows) by_count<kScoreRows - 1>(rows - r0, [&](auto r) { score_rows<r>(qf + r0 * D, kt, s + r0 * ss, ss); });
   }
-  // acc[r] += sum_t p[r][t] * V row t, for t < n (vrows[t] points at each).
-  static void accumulate(const float* p, int64_t rows, const T* const* vrows, int64_t n, float* acc) {
+  // acc[r] += sum_t p[r * ps + t] * V row t, for t < n (vrows[t] points at each).
+  static void accumulate(const float* p, int64_t ps, int64_t rows, const T* const* vrows, int64_t n, float* acc) {
     int64_t r0 = 0;
-    for (; r0 + kAccRows <= rows; r0 += kAccRows) acc_rows<kAccRows>(p + r0 * kChunk, vrows, n, acc + r0 * D);
-    if (r0 < rows) by_count<kAccRows - 1>(rows - r0, [&](auto r) { acc_rows<r>(p + r0 * kChunk, vrows, n, acc + r0 * D); });
+    for (; r0 + kAccRows <= rows; r0 += kAccRows) acc_rows<kAccRows>(p + r0 * ps, ps, vrows, n, acc + r0 * D);
+    if (r0 < rows) by_count<kAccRows - 1>(rows - r0, [&](auto r) { acc_rows<r>(p + r0 * ps, ps, vrows, n, acc + r0 * D); });
   }
 
  private:
@@ -276,7 +292,7 @@ struct Tiled {
     }
   }
   template <int R>
-  static void score_rows(const float* qf, const float* kt, float* s) {
+  static void score_rows(const float* qf, const float* kt, float* s, int64_t ss) {
     vf a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = simd::zero();
     for (int d = 0; d < D; ++d) {
@@ -288,12 +304,12 @@ struct Tiled {
       }
     }
     for (int r = 0; r < R; ++r) {
-      simd::store(s + r * kChunk, a[r][0]);
-      simd::store(s + r * kChunk + L, a[r][1]);
+      simd::store(s + r * ss, a[r][0]);
+      simd::store(s + r * ss + L, a[r][1]);
     }
   }
   template <int R>
-  static void acc_rows(const float* p, const T* const* vrows, int64_t n, float* acc) {
+  static void acc_rows(const float* p, int64_t ps, const T* const* vrows, int64_t n, float* acc) {
     for (int c = 0; c < N; c += kSlice) {
       vf av[R][kSlice];
       for (int r = 0; r < R; ++r)
@@ -302,7 +318,7 @@ struct Tiled {
         vf x[kSlice];
         for (int i = 0; i < kSlice; ++i) x[i] = simd::load(vrows[t] + L * (c + i));
         for (int r = 0; r < R; ++r) {
-          const vf w = simd::set1(p[r * kChunk + t]);
+          const vf w = simd::set1(p[r * ps + t]);
           for (int i = 0; i < kSlice; ++i) av[r][i] = simd::fmadd(w, x[i], av[r][i]);
         }
       }
@@ -312,27 +328,129 @@ struct Tiled {
   }
 };
 
+#if defined(__AVX512BF16__)
+// bfloat16 queries over a bfloat16 cache, on CPUs with avx512_bf16: the tiled path's two
+// products take vdpbf16ps, which adds two exact bfloat16 products to each float32 lane: half
+// the instructions of widening every value to float32. Keys are held in pairs of values
+// ([chunks][D / 2][kChunk] 32-bit pairs: key t's values 2p, 2p + 1), V in pairs of keys
+// ([chunks][kChunk / 2][D]: keys 2j, 2j + 1 at value d); the probabilities are rounded to
+// bfloat16 for the second product, as torch's CPU flash attention does in bfloat16. Scores
+// are q . k unscaled (exact products), then scaled.
+template <int D>
+struct PairTiled {
+  static constexpr int P = D / 2;  // pairs per key
+  static constexpr int kChunk = 2 * L;
+  static constexpr int kScoreRows = 12;
+  static constexpr int kSlice = 4;
+  static constexpr int kAccRows = 6;
+  static_assert(D % (kSlice * L) == 0, "PairTiled takes head dims of a multiple of 64");
+
+  // s[r * ss + 0..kChunk) = scale * qb[r] . the chunk's keys (kt: [P][kChunk] pairs) for rows [0, rows).
+  static void scores(const uint32_t* qb, int64_t rows, const uint32_t* kt, float scale, float* s, int64_t ss) {
+    int64_t r0 = 0;
+    for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qb + r0 * P, kt, scale, s + r0 * ss, ss);
+    for (; r0 < rows; ++r0) score_rows<1>(qb + r0 * P, kt, scale, s + r0 * ss, ss);
+  }
+  // acc[r] += sum_j pb[r][j] . V pair j (vt: [kChunk / 2][D] pairs), for pairs j < n.
+  static void accumulate(const uint32_t* pb, int64_t rows, const uint32_t* vt, int64_t n, float* acc) {
+    int64_t r0 = 0;
+    for (; r0 + kAccRows <= rows; r0 += kAccRows) acc_rows<kAccRows>(pb + r0 * L, vt, n, acc + r0 * D);
+    for (; r0 < rows; ++r0) acc_rows<1>(pb + r0 * L, vt, n, acc + r0 * D);
+  }
+  // A row of kChunk float32 probabilities as kChunk / 2 bfloat16 pairs, in key order.
+  static void round_pairs(const float* p, uint32_t* out) {
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + L), _mm512_loadu_ps(p)));
+  }
+
+ private:
+  template <int R>
+  static void score_rows(const uint32_t* qb, const uint32_t* kt, float scale, float* s, int64_t ss) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kChunk);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * kChunk + L);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qb[r * P + p]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], k0, b);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], k1, b);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(s + r * ss, _mm512_mul_ps(a[r][0], sc));
+      _mm512_storeu_ps(s + r * ss + L, _mm512_mul_ps(a[r][1], sc));
+    }
+  }
+  template <int R>
+  static void acc_rows(const uint32_t* pb, const uint32_t* vt, int64_t n, float* acc) {
+    for (int c = 0; c < D / L; c += kSlice) {
+      __m512 av[R][kSlice];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kSlice; ++i) av[r][i] = _mm512_loadu_ps(acc + r * D + L * (c + i));
+      for (int64_t j = 0; j < n; ++j) {
+        __m512bh x[kSlice];
+        for (int i = 0; i < kSlice; ++i) x[i] = (__m512bh)_mm512_loadu_si512(vt + j * D + L * (c + i));
+        for (int r = 0; r < R; ++r) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pb[r * L + j]));
+          for (int i = 0; i < kSlice; ++i) av[r][i] = _mm512_dpbf16_ps(av[r][i], x[i], w);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kSlice; ++i) _mm512_storeu_ps(acc + r * D + L * (c + i), av[r][i]);
+    }
+  }
+};
+template <typename Q, typename T, int D>
+constexpr bool kPairs = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16> && D > 0 && D % 64 == 0;
+#else
+template <int D>
+struct PairTiled {};
+template <typename Q, typename T, int D>
+constexpr bool kPairs = false;
+#endif
+
+// max(x[from..to)), to > from; a vector loop (the compiler's own `omp simd` max reduction
+// stayed scalar).
+inline float max_of(const float* x, int64_t from, int64_t to) {
+  int64_t t = from;
+  float mx = x[t];
+  if (to - from >= L) {
+    vf v = simd::load(x + t);
+    for (t += L; t + L <= to; t += L) v = simd::max(v, simd::load(x + t));
+    mx = simd::reduce_max(v);
+  }
+  for (; t < to; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
 // The tiled path for request r's tokens [j0, j1) and KV head h. kt: the request's keys for
-// that head, transposed chunk by chunk (`transpose_keys`). Row i of the tile is token j0 + i / group, query head h * group + i % group.
+// that head, transposed chunk by chunk (`transpose_keys`; in pairs, `pair_keys`, where vt
+// holds its values in pairs, `pair_values`). Row i of the tile is token j0 + i / group, query
+// head h * group + i % group.
 template <typename Q, typename T, int D>
 void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, int64_t start, int64_t n,
-                 int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const float* kt,
-                 const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
+                 int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const void* kt,
+                 const uint32_t* vt, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
                  int64_t block_size, float scale, const Options& opt, std::vector<float>& work,
                  std::vector<const T*>& vrows) {
+  constexpr bool kPair = kPairs<Q, T, D>;
   using K = Tiled<T, D>;
   constexpr int C = K::kChunk;
+  constexpr int64_t B = kSoftmaxChunks * C;
   const int64_t rows = (j1 - j0) * group;
-  work.resize(rows * (2 * D + C + 2));
-  float* qf = work.data();
+  work.resize(rows * (2 * D + B + 2 + C / 2));
+  float* qf = work.data();  // kPair: the rows' bfloat16 pairs, D / 2 a row
   float* acc = qf + rows * D;
-  float* s = acc + rows * D;
-  float* m = s + rows * C;
+  float* s = acc + rows * D;  // a block's scores, then probabilities: [rows][B]
+  float* m = s + rows * B;
   float* l = m + rows;
+  auto* pb = reinterpret_cast<uint32_t*>(l + rows);  // kPair: a chunk's probabilities in bfloat16 pairs
   vrows.resize(C);
   for (int64_t i = 0; i < rows; ++i) {
     const Q* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
-    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(src[d]) * scale;
+    if constexpr (kPair) std::memcpy(qf + i * D / 2, src, D * sizeof(Q));
+    else for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(src[d]) * scale;
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
   }
@@ -340,35 +458,38 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   const int64_t first = context - n;  // position of the request's first new token
   const int64_t keys = first + j1;  // keys the tile's last token sees
   // keys before the tile's first token's window are seen by no row: start at its chunk
-  for (int64_t c0 = opt.first_key(first + j0) / C * C; c0 < keys; c0 += C) {
-    const int64_t cn = std::min<int64_t>(C, keys - c0);
-    K::scores(qf, rows, kt + c0 * D, s);  // chunk c0 / C starts at (c0 / C) * D * C
+  for (int64_t b0 = opt.first_key(first + j0) / C * C; b0 < keys; b0 += B) {
+    const int64_t bn = std::min<int64_t>(B, keys - b0);  // keys of this block
+    const int64_t padded = (bn + C - 1) / C * C;
+    for (int64_t c = 0; c < bn; c += C) {  // chunk (b0 + c) / C starts at (b0 + c) * D values
+      if constexpr (kPair)
+        PairTiled<D>::scores(reinterpret_cast<const uint32_t*>(qf), rows,
+                             static_cast<const uint32_t*>(kt) + (b0 + c) * D / 2, scale, s + c, B);
+      else
+        K::scores(qf, rows, static_cast<const float*>(kt) + (b0 + c) * D, s + c, B);
+    }
     for (int64_t i = 0; i < rows; ++i) {
-      float* si = s + i * C;
+      float* si = s + i * B;
       const int64_t pos = first + j0 + i / group;
-      const int64_t seen = std::min<int64_t>(cn, pos + 1 - c0);  // causal
-      const int64_t from = std::max<int64_t>(0, opt.first_key(pos) - c0);  // the window's start
+      const int64_t seen = std::min<int64_t>(bn, pos + 1 - b0);  // causal
+      const int64_t from = std::max<int64_t>(0, opt.first_key(pos) - b0);  // the window's start
       if (seen <= from) {
-        std::fill(si, si + C, 0.f);
+        std::fill(si, si + padded, 0.f);
         continue;
       }
       opt.cap(si + from, seen - from);
-      float mx = m[i], sum = 0.f;
-      if (seen == C && from == 0) {  // every key of the chunk is seen: no mask
-        mx = std::max(mx, simd::reduce_max(simd::max(simd::load(si), simd::load(si + L))));
+      const float mx = std::max(m[i], max_of(si, from, seen));
+      // whole vectors from the one holding `from` to the one holding `seen - 1` (a scalar tail
+      // for the keys past a row's causal edge took a third of the exponentials' time), then
+      // the keys it should not see set to zero
+      const int64_t a = from / L * L, b = (seen + L - 1) / L * L;
 #pragma omp simd
-        for (int64_t t = 0; t < C; ++t) si[t] = exp_nonpositive(si[t] - mx);
-        // one tree reduction: the loop's own sum reduction came out as 32 scalar adds in lane order
-        sum = simd::reduce_add(simd::add(simd::load(si), simd::load(si + L)));
-      } else {
-        for (int64_t t = from; t < seen; ++t) mx = std::max(mx, si[t]);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < C; ++t) {
-          const float e = t >= from && t < seen ? exp_nonpositive(si[t] - mx) : 0.f;
-          si[t] = e;
-          sum += e;
-        }
-      }
+      for (int64_t t = a; t < b; ++t) si[t] = exp_nonpositive(std::min(si[t] - mx, 0.f));
+      std::fill(si, si + from, 0.f);
+      std::fill(si + seen, si + padded, 0.f);
+      vf vsum = simd::zero();
+      for (int64_t t = a; t < b; t += L) vsum = simd::add(vsum, simd::load(si + t));
+      const float sum = simd::reduce_add(vsum);
       if (mx != m[i]) {
         const float alpha = l[i] == 0.f ? 0.f : exp_nonpositive(m[i] - mx);
         float* ai = acc + i * D;
@@ -379,11 +500,19 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
       }
       l[i] += sum;
     }
-    for (int64_t t = 0; t < cn; ++t) {
-      const int64_t key = c0 + t;
-      vrows[t] = vbase + table[key / block_size] * vb + (key % block_size) * vr;
+    for (int64_t c = 0; c < bn; c += C) {
+      const int64_t cn = std::min<int64_t>(C, bn - c);
+      if constexpr (kPair) {
+        for (int64_t i = 0; i < rows; ++i) PairTiled<D>::round_pairs(s + i * B + c, pb + i * C / 2);
+        PairTiled<D>::accumulate(pb, rows, vt + (b0 + c) * D / 2, (cn + 1) / 2, acc);
+      } else {
+        for (int64_t t = 0; t < cn; ++t) {
+          const int64_t key = b0 + c + t;
+          vrows[t] = vbase + table[key / block_size] * vb + (key % block_size) * vr;
+        }
+        K::accumulate(s + c, B, rows, vrows.data(), cn, acc);
+      }
     }
-    K::accumulate(s, rows, vrows.data(), cn, acc);
   }
   for (int64_t i = 0; i < rows; ++i) {
     Q* dst = op + (start + j0 + i / group) * os0 + (h * group + i % group) * os1;
@@ -481,6 +610,32 @@ void transpose_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr
   }
 }
 
+// The pair layouts of `PairTiled` (C keys a chunk): key t's values 2p, 2p + 1 as one 32-bit
+// word at kt[(t / C) * (dim / 2) * C + p * C + t % C]; keys 2j, 2j + 1 at value d as one at
+// vt[(t / C) * (C / 2) * dim + (t % C / 2) * dim + d], t = 2j. Padding stays zero.
+template <int C, typename T>
+void pair_keys(const T* kbase, const int64_t* table, int64_t kb, int64_t kr, int64_t block_size, int64_t keys,
+               int64_t dim, uint32_t* kt) {
+  for (int64_t t = 0; t < keys; ++t) {
+    const T* row = kbase + table[t / block_size] * kb + (t % block_size) * kr;
+    uint32_t* chunk = kt + (t / C) * (dim / 2) * C + t % C;
+    for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(chunk + p * C, row + 2 * p, 4);
+  }
+}
+template <int C, typename T>
+void pair_values(const T* vbase, const int64_t* table, int64_t vb, int64_t vr, int64_t block_size, int64_t keys,
+                 int64_t dim, uint32_t* vt) {
+  static_assert(sizeof(T) == 2);
+  for (int64_t t = 0; t < keys; t += 2) {
+    const auto* a = reinterpret_cast<const uint16_t*>(vbase + table[t / block_size] * vb + (t % block_size) * vr);
+    const int64_t u = t + 1;  // keys is even or u is padding: zero
+    const auto* b = u < keys ? reinterpret_cast<const uint16_t*>(vbase + table[u / block_size] * vb + (u % block_size) * vr)
+                             : nullptr;
+    uint32_t* dst = vt + (t / C) * (C / 2) * dim + (t % C / 2) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = a[d] | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
+  }
+}
+
 // q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
 // [query_start_loc[i], query_start_loc[i + 1]), the last n of its context_lens[i]
@@ -532,15 +687,23 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
 
-  std::vector<float> kt(kt_size);
+  // kPairs: keys and values in bfloat16 pairs (kt_size / 2 words each), else float32 keys
+  constexpr bool kPair = kPairs<Q, T, D>;
+  std::vector<float> kt(kPair ? 0 : kt_size);
+  std::vector<uint32_t> kt2(kPair ? kt_size / 2 : 0), vt2(kPair ? kt_size / 2 : 0);
   if (kt_size > 0) {
     at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / kv_heads, h = i % kv_heads;
         if (kt_offset[r] < 0) continue;
-        const int64_t stride = padded(r);
-        transpose_keys<kChunk>(kp + h * kh, tables + r * max_blocks, kb, kr, block_size, ctx[r], dim,
-                               kt.data() + kt_offset[r] + h * dim * stride);
+        const int64_t stride = padded(r), at = kt_offset[r] + h * dim * stride;
+        const int64_t* table = tables + r * max_blocks;
+        if constexpr (kPair) {
+          pair_keys<kChunk>(kp + h * kh, table, kb, kr, block_size, ctx[r], dim, kt2.data() + at / 2);
+          pair_values<kChunk>(vp + h * vh, table, vb, vr, block_size, ctx[r], dim, vt2.data() + at / 2);
+        } else {
+          transpose_keys<kChunk>(kp + h * kh, table, kb, kr, block_size, ctx[r], dim, kt.data() + at);
+        }
       }
     });
   }
@@ -558,10 +721,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         attend_tokens<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
                             vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, qf, acc, denom, scores);
       } else if constexpr (kTiled) {
-        const int64_t stride = padded(r);
+        const int64_t at = kt_offset[r] + h * dim * padded(r);
+        const void* keys = kPair ? static_cast<const void*>(kt2.data() + at / 2) : kt.data() + at;
         attend_tile<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
-                          std::min(n, task.j0 + kTileTokens), h, group, kt.data() + kt_offset[r] + h * dim * stride,
-                          vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
+                             std::min(n, task.j0 + kTileTokens), h, group, keys, kPair ? vt2.data() + at / 2 : nullptr,
+                             vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
   });
