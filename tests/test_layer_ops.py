@@ -102,7 +102,7 @@ def test_silu_and_mul_is_torchs_bit_for_bit(native, dtype, rows, n):
     x.view(-1)[:4] = torch.tensor([0.0, -0.0, 88.0, -104.0])  # signed zeros; exp overflow and underflow
     gate, up = x.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    assert rows <= ops.SILU_AND_MUL_NATIVE_ROWS and ops.torch_vector_bytes() is not None
+    assert ops.torch_vector_bytes() is not None
     got = ops.silu_and_mul(x)
     assert got.shape == expected.shape and torch.equal(bits(got), bits(expected))
     if native.EXP_LANES:  # a portable build has no vector exp to mirror torch's with: torch's silu runs
@@ -112,14 +112,16 @@ def test_silu_and_mul_is_torchs_bit_for_bit(native, dtype, rows, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_takes_what_torch_splits_between_threads_at_row_boundaries(native, dtype):
     """Past GRAIN_SIZE elements torch's silu runs on several threads; where every thread's
-    chunk is whole rows (32 x 1536 on 2 threads: 16 rows each) the C++ kernel is taken and
-    still equal in every bit, where a chunk ends mid-row (25 x 1536) it is not."""
+    chunk is whole rows (32 x 1536 on 2 threads: 16 rows each; a 512-token prompt) the C++
+    kernel is taken and still equal in every bit, where a chunk ends mid-row (25 or 511 x
+    1536) it is not."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert ops.torch_splits_whole_rows(32, 1536) and ops.torch_splits_whole_rows(64, 1536)
         assert not ops.torch_splits_whole_rows(25, 1536) and ops.torch_splits_whole_rows(21, 1536)  # 21: < GRAIN
-        for rows in (25, 32, 64):
+        assert ops.torch_splits_whole_rows(512, 1536) and not ops.torch_splits_whole_rows(511, 1536)
+        for rows in (25, 32, 64, 511, 512, 1000):
             x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 6).to(dtype)
             gate, up = x.chunk(2, dim=-1)
             expected = torch.nn.functional.silu(gate) * up
