@@ -568,9 +568,7 @@ void attend_tokens(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, in
       float* sg = scores.data() + g * len;
       std::fill(sg + b0 * block_size, sg + lo, 0.f);  // the first block's keys before the window
       opt.cap(sg + lo, len - lo);
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t t = lo; t < len; ++t) m = std::max(m, sg[t]);
+      float m = max_of(sg, lo, len);  // len > lo: a token sees itself
       const float sink = opt.sinks ? opt.sinks[h * group + g] : 0.f;
       if (opt.sinks) m = std::max(m, sink);
       float sum = 0.f;
