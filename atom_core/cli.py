@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a variant to build (repeatable; default: this CPU's; all: every one it can run)",
     )
+    kernels.add_argument(
+        "--idle",
+        action="store_true",
+        help="compile only on cores nothing else wants (SCHED_IDLE): the background build a first "
+        "`atom generate` or `atom chat` starts, so it does not slow the run that started it",
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -370,7 +376,10 @@ def _env(args: argparse.Namespace) -> int:
 def _kernels(args: argparse.Namespace) -> int:
     from atom_core.layers.cpp import BuildLock, build_all
     from atom_core.platform.cpu_features import cpu_features
+    from atom_core.platform.memory import idle_priority
 
+    if args.idle:  # before any thread or compiler starts: they inherit it
+        idle_priority()
     variants = args.variant or [cpu_features().variant.name]
     if "all" in variants:
         variants = list(cpu_features().variants)

@@ -180,7 +180,9 @@ def one_declared_kernel(tmp_path, monkeypatch):
         monkeypatch.setattr(cpp, "_deferred", {})
         return kernel
 
-    return types.SimpleNamespace(new_process=new_process, builds=builds, spawned=spawned, root=tmp_path / "ext")
+    threads = torch.get_num_threads()  # a background build takes some of them (leave_cores_to_compilers)
+    yield types.SimpleNamespace(new_process=new_process, builds=builds, spawned=spawned, root=tmp_path / "ext")
+    torch.set_num_threads(threads)
 
 
 def test_background_build_answers_on_the_torch_path_and_builds_once_in_another_process(
@@ -192,11 +194,15 @@ def test_background_build_answers_on_the_torch_path_and_builds_once_in_another_p
     cpu = cpu_features().variant.name
     monkeypatch.setenv(BUILD_ENV, "background")
     kernel = k.new_process()
+    torch.set_num_threads(4)  # (the fixture puts the suite's number back)
     with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
         assert kernel.load() is None  # this process: the torch path, no compiler run
+    # the build's one compiler (one kernel declared) gets a core of torch's
+    assert torch.get_num_threads() == 3 and "runs on 3 thread(s)" in caplog.records[0].getMessage()
     assert k.builds == []
     ((args, kw),) = k.spawned
-    assert args[-6:] == [sys.executable, "-m", "atom_core.cli", "kernels", "--variant", cpu]
+    # at idle priority (SCHED_IDLE, set by `atom kernels --idle` before any compiler starts)
+    assert args[-7:] == [sys.executable, "-m", "atom_core.cli", "kernels", "--variant", cpu, "--idle"]
     assert kw["env"][BUILD_ENV] == "wait" and kw["start_new_session"] is True
     assert kernel.status().startswith("torch path (building in the background")
     assert str(k.root / BACKGROUND_LOG) in caplog.records[0].getMessage()
@@ -241,3 +247,24 @@ def test_the_build_lock_on_an_unwritable_cache_is_no_lock(tmp_path, monkeypatch)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "ext"))  # under a file: cannot be made
     with BuildLock() as lock:  # `atom kernels` goes on; each kernel then says why it cannot build
         assert lock.file is None and lock.acquire(wait=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's scheduling class")
+def test_kernels_idle_builds_at_idle_priority(monkeypatch):
+    """`atom kernels --idle`, the background build's command, takes SCHED_IDLE before it builds
+    (the compilers it starts inherit it); without --idle the priority is left alone."""
+    import contextlib
+    import threading
+
+    from atom_core import cli
+    from atom_core.layers import cpp
+
+    seen = []
+    monkeypatch.setattr(cpp, "build_all", lambda variants: seen.append(os.sched_getscheduler(0)) or {})
+    monkeypatch.setattr(cpp, "BuildLock", contextlib.nullcontext)
+    for argv in (["kernels"], ["kernels", "--idle"]):  # each in a thread of its own: the policy is per thread
+        t = threading.Thread(target=cli.main, args=(argv,))
+        t.start()
+        t.join()
+    assert seen == [os.SCHED_OTHER, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

@@ -79,13 +79,13 @@ def test_a_pool_is_mapped_in_the_background_at_idle_priority(monkeypatch):
     """The mapping thread runs only on a core nothing else wants: at normal priority it took a
     core from torch's threads, and every step until it finished ran at a third of its speed."""
     policies = []
-    real = memory._idle_priority
+    real = memory.idle_priority
 
     def spy() -> None:
         real()
         policies.append(os.sched_getscheduler(0))  # the calling thread's
 
-    monkeypatch.setattr(memory, "_idle_priority", spy)
+    monkeypatch.setattr(memory, "idle_priority", spy)
     t = empty_resident((1 << 20,), torch.float32, "cpu")
     memory._populating[-1][0].join()
     assert policies == [os.SCHED_IDLE]

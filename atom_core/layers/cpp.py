@@ -18,8 +18,8 @@ and `atom kernels` find a plugin's kernels as well as the core's.
 A process's first kernel load builds every declared kernel of the CPU's variant, one per
 core, and waits (a minute or two the first time on 2 cores; `scripts/setup.sh` does it at
 install). With `ATOM_KERNEL_BUILD=background` (what `atom generate` and `atom chat` set), a
-process that finds them unbuilt starts `atom kernels` as a detached, niced process instead
-(one at a time: a lock in the build root), runs the torch path itself, and later processes
+process that finds them unbuilt starts `atom kernels --idle` as a detached process at idle
+priority instead (one at a time: a lock in the build root), runs the torch path itself, and later processes
 load the kernels: a first question on a fresh install is answered in seconds, not after the
 compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
 """
@@ -332,17 +332,38 @@ def build_in_background(variant_name: str) -> str:
     if running:
         why = f"a build runs in another process (log: {log}); later runs load them"
     else:
-        nice = shutil.which("nice")  # the compiler yields the cores to the run that started it
+        # the compiler takes only what the run that started it leaves of the cores (--idle:
+        # SCHED_IDLE; nice where the OS has no such class)
+        nice = shutil.which("nice")
         with open(log, "w") as out:
             subprocess.Popen(
                 [*([nice, "-n", "10"] if nice else []), sys.executable, "-m", "atom_core.cli", "kernels",
-                 "--variant", variant_name],
+                 "--variant", variant_name, "--idle"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, BUILD_ENV: "wait"},
             )  # fmt: skip
         why = f"building in the background (log: {log}); later runs load them"
-    logger.warning("atom: C++ kernels (%s) not built yet, the torch path runs: %s", variant_name, why)
+    threads = leave_cores_to_compilers()
+    logger.warning(
+        "atom: C++ kernels (%s) not built yet, the torch path runs on %d thread(s): %s", variant_name, threads, why
+    )
     return why
+
+
+def leave_cores_to_compilers() -> int:
+    """Take torch's threads down by the compilers a build runs (at most a core each, one at
+    least left), for the rest of this process; returns the threads left.
+
+    torch's threads wait for one another after every op, and with a compiler on one of their
+    cores, even at idle priority, the torch path of a first `atom generate` (2 cores) took
+    12-25 s where it takes 4-6 on one thread beside the build."""
+    import torch
+
+    compilers = min(len(declared_kernels()) or 1, os.cpu_count() or 1)
+    threads = max(1, torch.get_num_threads() - compilers)
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _first_error(text: str) -> str:

@@ -84,7 +84,7 @@ def empty_resident(
             """Map the ranges in order; stop once the region is gone (its engine was deleted),
             holding it only during each call, so the thread never keeps a pool alive."""
             if not wait:
-                _idle_priority()
+                idle_priority()
             for offset, length in ranges:
                 alive = region()
                 if alive is None or stop.is_set():
@@ -127,14 +127,16 @@ def populate_ranges(shape: tuple[int, ...], itemsize: int, block_dim: int | None
     return ranges
 
 
-def _idle_priority() -> None:
-    """Run the calling thread only on a core nothing else wants (SCHED_IDLE, Linux).
+def idle_priority() -> None:
+    """Run the calling thread, and the threads and processes it starts from now on, only on a
+    core nothing else wants (SCHED_IDLE, Linux; elsewhere nothing changes).
 
     Mapping a pool of gigabytes takes a core for seconds (13 s for 5.9 GB on a 2-core VM,
     whose host backs each page on first touch); at normal priority it took that core from
     torch's threads, which wait for each other after every operation, and every step ran at
     a third of its speed until it was done. At idle priority it maps between steps, and a
-    step that writes a page it has not reached yet faults it in, as without it."""
+    step that writes a page it has not reached yet faults it in, as without it. A kernel build
+    in the background (`atom kernels --idle`) is the same case."""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
