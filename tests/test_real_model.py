@@ -157,13 +157,16 @@ def test_default_settings_run_the_files_q4_1_weights_and_answer_as_float32_does(
         coarser = LLMEngine(fetch_default_model(quiet=True), max_model_len=512, activation_bits=8)
         assert coarser.runner.model.model.layers[0].mlp.down_proj.packed_weight.activation_bits == 8
         (first8,) = coarser.generate(prompts[:1], params, use_tqdm=False)
-        assert first8["token_ids"] == first["token_ids"]
-        answer8 = coarser.chat(
-            [{"role": "user", "content": QUESTIONS[0]}], SamplingParams(temperature=0, max_tokens=64), False
-        )
-        # int8 rounding moves near-ties later in the answer (", France." has come after "Paris"
-        # when attention's sums were reassociated): the answer itself must stay
-        assert answer8[0]["text"].startswith("The capital of France is Paris"), answer8[0]["text"]
+        # One of float32's two near-tied tokens: int8 rounding of x is coarser than their 0.08,
+        # so which leads depends on the order of sums elsewhere (it has differed between the
+        # AVX2 and AVX-512 builds), and the greedy answer follows that first token. What must
+        # hold is that the int8 logits keep the default answer at the top all along: each of
+        # its tokens among the int8 run's top two, given the tokens before it.
+        assert first8["token_ids"][0] in (first["token_ids"][0], runner_up)
+        (answer16,) = default.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        for i, token in enumerate(answer16["token_ids"]):
+            coarser.generate([prompts[0] + answer16["token_ids"][:i]], params, use_tqdm=False)
+            assert token in coarser.runner.last_logits[0].topk(2).indices.tolist(), (i, answer16["text"])
         del coarser
 
     answer = default.chat(
