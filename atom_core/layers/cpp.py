@@ -19,9 +19,9 @@ A process's first kernel load builds every declared kernel of the CPU's variant,
 core, and waits (a minute or two the first time on 2 cores; `scripts/setup.sh` does it at
 install). With `ATOM_KERNEL_BUILD=background` (what `atom generate` and `atom chat` set), a
 process that finds them unbuilt starts `atom kernels --idle` as a detached process at idle
-priority instead (one at a time: a lock in the build root), runs the torch path itself, and later processes
-load the kernels: a first question on a fresh install is answered in seconds, not after the
-compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
+priority instead (one at a time: a lock in the build root), runs the torch path itself on the
+cores the compilers leave (`leave_cores_to_compilers`), and later processes load the kernels:
+a first question on a fresh install is answered in seconds, not after the compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
 """
 
 from __future__ import annotations
@@ -321,8 +321,9 @@ class BuildLock:
 
 
 def build_in_background(variant_name: str) -> str:
-    """Start `atom kernels --variant <variant_name>` detached and at low priority (unless one
-    already runs); returns the status this process's kernels show meanwhile."""
+    """Start `atom kernels --variant <variant_name> --idle` detached (unless one already runs),
+    leave its compilers their cores (`leave_cores_to_compilers`); returns the status this
+    process's kernels show meanwhile."""
     log = build_root() / BACKGROUND_LOG
     probe = BuildLock()
     try:
