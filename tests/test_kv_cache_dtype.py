@@ -1,6 +1,7 @@
 """`Config.kv_cache_dtype`: the paged K/V caches in another dtype than the model's (vLLM's
 kv_cache_dtype). A float32 model over a bfloat16 or float16 cache rounds each K/V value
-once, when it is written; the C++ kernel reads the narrow values widened, and the torch path
+once, when it is written; the C++ kernel reads the narrow values widened (a prompt chunk
+over a bfloat16 cache on avx512_bf16 runs in bfloat16 pairs instead), and the torch path
 (ATOM_CPU_KERNELS=0, the suite's second run) reads them back into the model's dtype."""
 
 from __future__ import annotations
@@ -35,16 +36,29 @@ def attention_case(dim: int, cache_dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dim", [64, 128, 576, 48])  # the vector paths' head dims, MLA's latent, another
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_float32_queries_over_a_narrow_cache_are_its_widened_values(dim, cache_dtype, kernel_variant):
+    """Decode and verify rows read the narrow values widened. A prompt chunk over a bfloat16
+    cache on the avx512_bf16 variant runs in bfloat16 pairs (head dims a multiple of 64): its
+    queries rounded to bfloat16 (as llama.cpp rounds queries to its float16 cache's type), the
+    same sums as bfloat16 queries over that cache."""
     ops = require_kernel(cpu_kernels.load(kernel_variant))
     q, k, v, tables, lens, starts = attention_case(dim, cache_dtype, seed=dim)
     scale = dim**-0.5
     out = ops.paged_attention(q, k, v, tables, lens, starts, scale)
     ref = ops.paged_attention(q, k.float(), v.float(), tables, lens, starts, scale)
     assert out.dtype == torch.float32
+    pairs = cache_dtype == torch.bfloat16 and kernel_variant == "avx512_bf16" and dim % 64 == 0
+    rows = slice(0, 4) if pairs else slice(None)  # the decode and verify rows; all of them without pairs
     if cache_dtype == torch.bfloat16:  # the same vector paths, widening as they read: bit for bit
-        assert torch.equal(out, ref)
+        assert torch.equal(out[rows], ref[rows])
     else:  # float16 takes the generic path, whose sums go in another order
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    if pairs:
+        chunk = slice(4, None)
+        assert torch.equal(
+            out[chunk].to(cache_dtype), ops.paged_attention(q.to(cache_dtype), k, v, tables, lens, starts, scale)[chunk]
+        )
+        torch.testing.assert_close(out[chunk], ref[chunk], atol=2e-2, rtol=2e-2)
+        assert not torch.equal(out[chunk], ref[chunk])  # the pairs did run
     # queries narrower than their cache run as float32 queries, the output rounded once
     qn = q.to(cache_dtype)
     out = ops.paged_attention(qn, k.float(), v.float(), tables, lens, starts, scale)

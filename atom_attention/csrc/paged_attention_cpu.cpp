@@ -11,9 +11,10 @@
 // Everything accumulates in float32 whatever the cache dtype, which may be narrower than the
 // queries' (`Config.kv_cache_dtype`: float32 queries over a bfloat16 or float16 cache read its
 // values widened, the same sums as over a float32 cache holding those values). One exception,
-// bfloat16 queries over a bfloat16 cache on a CPU with avx512_bf16 (`PairTiled`): the tiled
-// path multiplies in bfloat16 pairs, the probabilities rounded to bfloat16 for the product with
-// V, as torch's own CPU attention does in bfloat16.
+// a bfloat16 cache on a CPU with avx512_bf16 (`PairTiled`): the tiled path multiplies in
+// bfloat16 pairs, float32 queries rounded to bfloat16 (as llama.cpp rounds queries to its
+// float16 cache's type) and the probabilities too for the product with V, as torch's own CPU
+// attention does in bfloat16.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
@@ -329,7 +330,7 @@ struct Tiled {
 };
 
 #if defined(__AVX512BF16__)
-// bfloat16 queries over a bfloat16 cache, on CPUs with avx512_bf16: the tiled path's two
+// Queries over a bfloat16 cache, on CPUs with avx512_bf16: the tiled path's two
 // products take vdpbf16ps, which adds two exact bfloat16 products to each float32 lane: half
 // the instructions of widening every value to float32. Keys are held in pairs of values
 // ([chunks][D / 2][kChunk] 32-bit pairs: key t's values 2p, 2p + 1), V in pairs of keys
@@ -360,6 +361,12 @@ struct PairTiled {
   // A row of kChunk float32 probabilities as kChunk / 2 bfloat16 pairs, in key order.
   static void round_pairs(const float* p, uint32_t* out) {
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + L), _mm512_loadu_ps(p)));
+  }
+  // A query row as D / 2 bfloat16 pairs: bfloat16 rows as they are, float32 ones rounded to
+  // nearest even (what `q.to(torch.bfloat16)` gives).
+  static void query_pairs(const c10::BFloat16* q, uint32_t* out) { std::memcpy(out, q, D * sizeof(c10::BFloat16)); }
+  static void query_pairs(const float* q, uint32_t* out) {
+    for (int d = 0; d < D; d += kChunk) round_pairs(q + d, out + d / 2);
   }
 
  private:
@@ -402,7 +409,8 @@ struct PairTiled {
   }
 };
 template <typename Q, typename T, int D>
-constexpr bool kPairs = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<T, c10::BFloat16> && D > 0 && D % 64 == 0;
+constexpr bool kPairs = (std::is_same_v<Q, c10::BFloat16> || std::is_same_v<Q, float>) &&
+                       std::is_same_v<T, c10::BFloat16> && D > 0 && D % 64 == 0;
 #else
 template <int D>
 struct PairTiled {};
@@ -449,7 +457,7 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   vrows.resize(C);
   for (int64_t i = 0; i < rows; ++i) {
     const Q* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
-    if constexpr (kPair) std::memcpy(qf + i * D / 2, src, D * sizeof(Q));
+    if constexpr (kPair) PairTiled<D>::query_pairs(src, reinterpret_cast<uint32_t*>(qf) + i * D / 2);
     else for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(src[d]) * scale;
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
