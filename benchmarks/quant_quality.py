@@ -96,7 +96,13 @@ ENGINE_SETTINGS = [  # name, LLMEngine settings
     ("bfloat16, quantization='none'", dict(dtype="bfloat16", quantization="none")),
     ("default: float32, quantization='auto' (the Q4_1 file)", dict()),
     ("float32, quantization='auto', activation_bits=8", dict(activation_bits=8)),
+    (  # llama.cpp's precision on this file: int8 activations, a 16-bit KV cache
+        "float32, quantization='auto', activation_bits=8, kv_cache_dtype='bfloat16'",
+        dict(activation_bits=8, kv_cache_dtype="bfloat16"),
+    ),
     ("bfloat16, quantization='auto'", dict(dtype="bfloat16")),
+    # OpenVINO's CPU default on int4 weights: bfloat16 between ops, int8 activations
+    ("bfloat16, quantization='auto', activation_bits=8", dict(dtype="bfloat16", activation_bits=8)),
     ("float32, quantization='int8'", dict(dtype="float32", quantization="int8")),
     ("float32, quantization='int4'", dict(dtype="float32", quantization="int4")),
     (

@@ -24,7 +24,8 @@ Precisions (`--precisions f32,bf16,q4`):
 * q4: Atom and llama.cpp on the shipped Q4_1 file itself (Atom with its default config, and
   again as "Atom a8 kv16" with `activation_bits=8, kv_cache_dtype="bfloat16"`: the 8-bit
   activations llama.cpp and OpenVINO multiply 4-bit weights by, and a 16-bit KV cache as
-  llama.cpp's);
+  llama.cpp's; and as "Atom bf16 a8" with `dtype="bfloat16", activation_bits=8`: OpenVINO's
+  CPU default, bfloat16 between ops and int8 activations, on CPUs with avx512_bf16);
   OpenVINO on its own 4-bit export, `--weight-format int4 --group-size 64` (asymmetric like
   Q4_1; the embedding / tied LM head int8 like the shipped file's Q8_0; SmolLM2's 576 is no
   multiple of the default 128), compiled with the CPU plugin's default precision hint. vLLM:
@@ -136,10 +137,17 @@ PRECISIONS = ("f32", "bf16", "q4")
 ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "q4": "q4_1"}  # vs_llamacpp's names
 PEER_NAMES = {"llama.cpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO"}
 OPENVINO_WEIGHTS = {"f32": "fp32", "bf16": "fp32", "q4": "int4"}  # bf16: fp32 IR, bf16 hint
-# Atom measured a second way on a precision, at the peers' precision: 4-bit layers with 8-bit
+# Atom measured again on a precision at the peers' precisions: 4-bit layers with 8-bit
 # activations (what llama.cpp's Q8_1 and OpenVINO's dynamic quantization multiply 4-bit weights
 # by) and a 16-bit KV cache (llama.cpp's f16; OpenVINO's is u8).
-ATOM_ALSO = {"q4": {"Atom a8 kv16": dict(activation_bits=8, kv_cache_dtype="bfloat16")}}
+ATOM_ALSO = {
+    "q4": {
+        "Atom a8 kv16": dict(activation_bits=8, kv_cache_dtype="bfloat16"),
+        # OpenVINO's own CPU default on int4 weights where the CPU has avx512_bf16: bfloat16
+        # between ops (its inference precision hint) and int8 activations
+        "Atom bf16 a8": dict(dtype="bfloat16", activation_bits=8),
+    }
+}
 ISAS = ("avx2",)
 PEER_ISA = "ATOM_PEER_ISA"  # tells a peer worker which level to run at (peer_vllm.py, peer_openvino.py)
 LOAD_TIMEOUT = 1800.0  # s, a worker's model load (first-time compiles included)
