@@ -178,11 +178,78 @@ def one_declared_kernel(tmp_path, monkeypatch):
         monkeypatch.setattr(cpp, "declared_kernels", lambda: {"atom_bg": kernel})
         monkeypatch.setattr(cpp, "_declared_built", threading.Event())
         monkeypatch.setattr(cpp, "_deferred", {})
+        monkeypatch.setattr(cpp, "_lent", [])
         return kernel
 
     threads = torch.get_num_threads()  # a background build takes some of them (leave_cores_to_compilers)
     yield types.SimpleNamespace(new_process=new_process, builds=builds, spawned=spawned, root=tmp_path / "ext")
     torch.set_num_threads(threads)
+
+
+class FakeBuild:
+    """A started build's process: running until `done`."""
+
+    done = False
+
+    def poll(self) -> int | None:
+        return 0 if self.done else None
+
+
+def test_the_torch_path_gets_its_threads_back_when_the_build_is_over(one_declared_kernel, monkeypatch, caplog):
+    """`give_cores_back` (before every model step) returns the threads a background build took,
+    once the build this process started has exited, or once another process's has let go of
+    the build lock; until then the threads stay lent."""
+    import types
+
+    from atom_core.layers import cpp
+    from atom_core.layers.cpp import BUILD_ENV, BuildLock
+
+    k = one_declared_kernel
+    monkeypatch.setenv(BUILD_ENV, "background")
+    monkeypatch.setattr(cpp, "GIVE_BACK_POLL_S", 0.0)
+    build = FakeBuild()
+    monkeypatch.setattr(
+        cpp, "subprocess", types.SimpleNamespace(**{**vars(subprocess), "Popen": lambda a, **kw: build})
+    )
+    torch.set_num_threads(4)
+    assert k.new_process().load() is None and torch.get_num_threads() == 3
+    cpp.give_cores_back()
+    assert torch.get_num_threads() == 3  # still compiling
+    build.done = True
+    with caplog.at_level(logging.WARNING, logger="atom_core.layers.cpp"):
+        cpp.give_cores_back()
+    assert torch.get_num_threads() == 4 and "runs on 4 threads again" in caplog.text
+
+    torch.set_num_threads(4)
+    lock = BuildLock()
+    assert lock.acquire(wait=False)  # another process builds
+    try:
+        assert k.new_process().load() is None and torch.get_num_threads() == 3
+        cpp.give_cores_back()
+        assert torch.get_num_threads() == 3
+    finally:
+        lock.close()
+    cpp.give_cores_back()
+    assert torch.get_num_threads() == 4 and not cpp._lent
+
+
+def test_a_model_step_gives_the_threads_back(tiny_folder, monkeypatch):
+    """The runner calls `give_cores_back` before each step (every rank passes `execute_model`)."""
+    from atom_core import SamplingParams
+    from atom_core.engine.llm_engine import LLMEngine
+    from atom_core.layers import cpp
+
+    engine = LLMEngine(str(tiny_folder("llama")), max_model_len=64, kv_cache_memory=1 << 24)
+    threads = torch.get_num_threads()
+    build = FakeBuild()
+    build.done = True
+    monkeypatch.setattr(cpp, "_lent", [(threads, build, 0.0)])
+    torch.set_num_threads(1)
+    try:
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        assert torch.get_num_threads() == threads and not cpp._lent
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_background_build_answers_on_the_torch_path_and_builds_once_in_another_process(

@@ -20,8 +20,9 @@ core, and waits (a minute or two the first time on 2 cores; `scripts/setup.sh` d
 install). With `ATOM_KERNEL_BUILD=background` (what `atom generate` and `atom chat` set), a
 process that finds them unbuilt starts `atom kernels --idle` as a detached process at idle
 priority instead (one at a time: a lock in the build root), runs the torch path itself on the
-cores the compilers leave (`leave_cores_to_compilers`), and later processes load the kernels:
-a first question on a fresh install is answered in seconds, not after the compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
+cores the compilers leave (`leave_cores_to_compilers`; `give_cores_back` returns them once the
+build is over), and later processes load the kernels: a first question on a fresh install is
+answered in seconds, not after the compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -325,46 +327,85 @@ def build_in_background(variant_name: str) -> str:
     leave its compilers their cores (`leave_cores_to_compilers`); returns the status this
     process's kernels show meanwhile."""
     log = build_root() / BACKGROUND_LOG
-    probe = BuildLock()
-    try:
-        running = not probe.acquire(wait=False)
-    finally:
-        probe.close()
-    if running:
+    build: subprocess.Popen | None = None
+    if build_running():
         why = f"a build runs in another process (log: {log}); later runs load them"
     else:
         # the compiler takes only what the run that started it leaves of the cores (--idle:
         # SCHED_IDLE; nice where the OS has no such class)
         nice = shutil.which("nice")
         with open(log, "w") as out:
-            subprocess.Popen(
+            build = subprocess.Popen(
                 [*([nice, "-n", "10"] if nice else []), sys.executable, "-m", "atom_core.cli", "kernels",
                  "--variant", variant_name, "--idle"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, BUILD_ENV: "wait"},
             )  # fmt: skip
         why = f"building in the background (log: {log}); later runs load them"
-    threads = leave_cores_to_compilers()
+    threads = leave_cores_to_compilers(build)
     logger.warning(
         "atom: C++ kernels (%s) not built yet, the torch path runs on %d thread(s): %s", variant_name, threads, why
     )
     return why
 
 
-def leave_cores_to_compilers() -> int:
+def build_running() -> bool:
+    """Whether some process holds the build lock (`atom kernels` is building)."""
+    probe = BuildLock()
+    try:
+        return not probe.acquire(wait=False)
+    finally:
+        probe.close()
+
+
+# While torch runs on fewer threads for a build: (its threads before, the build this process
+# started or None for another process's, when to look again).
+_lent: list[tuple[int, subprocess.Popen | None, float]] = []
+GIVE_BACK_POLL_S = 1.0  # how often `give_cores_back` looks whether the build is over
+
+
+def leave_cores_to_compilers(build: subprocess.Popen | None = None) -> int:
     """Take torch's threads down by the compilers a build runs (at most a core each, one at
-    least left), for the rest of this process; returns the threads left.
+    least left) until `give_cores_back` finds the build over; returns the threads left.
+    `build`: the build's process, if this one started it (else the build lock tells).
 
     torch's threads wait for one another after every op, and with a compiler on one of their
     cores, even at idle priority, the torch path of a first `atom generate` (2 cores) took
     12-25 s where it takes 4-6 on one thread beside the build."""
     import torch
 
+    before = torch.get_num_threads()
     compilers = min(len(declared_kernels()) or 1, os.cpu_count() or 1)
-    threads = max(1, torch.get_num_threads() - compilers)
-    if threads < torch.get_num_threads():
+    threads = max(1, before - compilers)
+    if threads < before:
         torch.set_num_threads(threads)
+        if not _lent:
+            # a process that started it looks no earlier than the child can take the lock
+            _lent.append((before, build, time.monotonic() + GIVE_BACK_POLL_S))
     return torch.get_num_threads()
+
+
+def give_cores_back() -> None:
+    """Give torch back the threads `leave_cores_to_compilers` took, once the build is over.
+
+    Called before every model step (in the thread that steps: torch's thread count is per
+    thread); it looks at most once a `GIVE_BACK_POLL_S`. The process keeps its torch path
+    (its layers chose their kernels at load), now on all its threads: a first `atom chat`
+    no longer runs on one core after the compilers are done."""
+    if not _lent:
+        return
+    before, build, next_look = _lent[0]
+    now = time.monotonic()
+    if now < next_look:
+        return
+    if build.poll() is None if build is not None else build_running():
+        _lent[0] = (before, build, now + GIVE_BACK_POLL_S)
+        return
+    import torch
+
+    _lent.clear()
+    torch.set_num_threads(before)
+    logger.warning("atom: the C++ kernels' build is over: the torch path runs on %d threads again", before)
 
 
 def _first_error(text: str) -> str:

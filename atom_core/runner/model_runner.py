@@ -21,6 +21,7 @@ from atom_core.distributed.communication import broadcast_ints
 from atom_core.distributed.parallel_state import get_tp_group, set_expert_parallel
 from atom_core.forward_context import Context, reset_forward_context, set_forward_context
 from atom_core.kv.layout import KVPoolPlan
+from atom_core.layers.cpp import give_cores_back
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
 from atom_core.loading.checkpoint import load_model_weights
 from atom_core.loading.quantize import quantize_model
@@ -309,6 +310,7 @@ class ModelRunner:
     def execute_model(self, step: StepRows, argmax_only: bool = False) -> ModelOutput:
         """The model on `step.batch`, and the logits of the rows `step` names: what every
         tensor-parallel rank runs, in the same order, so their collectives meet."""
+        give_cores_back()  # torch's threads, once a background kernel build is over
         t0 = time.perf_counter()
         batch = step.batch
         if step.accepted_before and self._previous_batch is not None:  # rank 0 did this after sampling
