@@ -331,3 +331,35 @@ def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, wind
         v = v_cache[:, table].flatten(1, 2)[:, :L]
         got = attend(q[starts[i] : starts[i + 1]], k, v, L - n, dim**-0.5, window, softcap, sink)
         torch.testing.assert_close(got.double(), ref[starts[i] : starts[i + 1]], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (5, 30.0, True), (None, None, True)])
+def test_float32_queries_over_a_bfloat16_cache_keep_windows_sinks_and_softcaps(
+    dim, window, softcap, sinks, kernel_variant
+):
+    """`kv_cache_dtype="bfloat16"` under a float32 model: prompt chunks (bfloat16 pairs on
+    avx512_bf16, queries rounded) and decode rows (the cache widened) honour a sliding window,
+    soft-capped scores and sinks as float32 queries over a float32 cache do."""
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
+    gen = torch.Generator().manual_seed(dim + (window or 0))
+    kv_heads, group, bs, nblocks = 2, 3, 16, 96
+    context_lens, num_new = [300, 40, 100, 1, 70], [300, 33, 20, 1, 3]
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, torch.bfloat16, gen, bs, nblocks)
+    heads = kv_heads * group
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    q = torch.randn(sum(num_new), heads, dim, generator=gen) * 2
+    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
+    args = (padded, torch.tensor(context_lens), starts, dim**-0.5, window or 0, softcap or 0.0, sink)
+    out = ops.paged_attention(q, k_cache, v_cache, *args)
+    assert out.dtype == torch.float32
+    ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # the decode rows (one new token) read the cache widened: the float32 cache's sums
+    wide = ops.paged_attention(q, k_cache.float(), v_cache.float(), *args)
+    decode = starts[3]  # request 3's single row
+    assert torch.equal(out[decode], wide[decode])
+    if kernel_variant == "avx512_bf16":  # the prompt chunks' pairs: bfloat16 queries' sums
+        chunks = slice(0, int(starts[3]))
+        narrow = ops.paged_attention(q.bfloat16(), k_cache, v_cache, *args)
+        assert torch.equal(out[chunks].bfloat16(), narrow[chunks])
