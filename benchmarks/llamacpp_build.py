@@ -56,6 +56,8 @@ ISA_OPTIONS = {
         "-DGGML_AVX512=OFF",
     ),  # fmt: skip
 }
+# Intel's AVX2 cores since Alder Lake add AVX-VNNI, which llama.cpp's quantized dot products take
+ISA_OPTIONS["avx2_vnni"] = tuple(o.replace("GGML_AVX_VNNI=OFF", "GGML_AVX_VNNI=ON") for o in ISA_OPTIONS["avx2"])
 SERVER_TARGET = "llama-server"
 SERVER_OPTIONS = (
     *(o for o in CMAKE_OPTIONS if o != "-DLLAMA_BUILD_SERVER=OFF"),

@@ -47,12 +47,13 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
     properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": job["threads"]}
     hint = PRECISION_HINTS[job["precision"]]
     isa = os.environ.get("ATOM_PEER_ISA")
-    if isa == "avx2":
+    if isa in ("avx2", "avx2_vnni"):
         # The CPU plugin chooses bfloat16 from CPUID, not from oneDNN's cap (it then fails to
         # create its primitives): f32 is what it runs on an AVX2 CPU, for either hint. Its 4-bit
         # layers' dynamic quantization needs VNNI (not in AVX2) and also fails under the cap.
         hint = "f32"
-        properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+        if isa == "avx2":
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     if hint:
         properties["INFERENCE_PRECISION_HINT"] = hint
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
@@ -63,9 +64,9 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
              f"KV cache {_type_name(core.get_property('CPU', 'KV_CACHE_PRECISION'))} (CPU default), "
              f"INFERENCE_NUM_THREADS {job['threads']}")  # fmt: skip
     if isa:
+        dq = "no dynamic quantization (it needs VNNI)" if isa == "avx2" else "dynamic quantization on"
         setup += (f", at {isa}: ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, hint f32 "
-                  "(its bf16 needs AVX-512), no dynamic quantization (it needs VNNI); its float32 GEMMs (MLAS) "
-                  "choose by CPUID, not capped")  # fmt: skip
+                  f"(its bf16 needs AVX-512), {dq}; its float32 GEMMs (MLAS) choose by CPUID, not capped")  # fmt: skip
     decode_rate(pipe, [[100] * 16] * 2, 4)  # warm-up
     return pipe, setup
 

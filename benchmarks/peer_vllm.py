@@ -34,7 +34,7 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
     import torch
 
     isa = os.environ.get("ATOM_PEER_ISA")
-    if isa == "avx2":
+    if isa in ("avx2", "avx2_vnni"):
         # vLLM picks its _C build (AVX-512 with or without bfloat16, or AVX2) from torch's CPUID
         # queries, which no environment variable caps; on an AVX2 CPU they say no.
         torch.cpu._is_avx512_supported = lambda: False

@@ -82,11 +82,13 @@ AVX-512 bfloat16. What no setting reaches is listed beside each engine: OpenVINO
 GEMMs (MLAS) pick their kernels from CPUID themselves (which favours OpenVINO); its 4-bit
 layers run without dynamic quantization, which needs VNNI (AVX-VNNI or AVX512-VNNI, not in
 AVX2). The cores are still this host's, so the figures estimate an AVX2 host's ratios; its own
-run is the measurement.
+run is the measurement. `--isa avx2_vnni` is an AVX2 CPU with AVX-VNNI (Intel's cores since
+Alder Lake): Atom's `avx2_vnni` kernels, llama.cpp built with GGML_AVX_VNNI, oneDNN capped at
+AVX2_VNNI.
 
     .venv/bin/python benchmarks/vs_peers.py [--peers llama.cpp,vllm,openvino]
         [--precisions f32,bf16,q4] [--batches 1,8,32] [--rounds 1] [--threads 2]
-        [--new-tokens 128] [--prompt-tokens 32] [--isa avx2]
+        [--new-tokens 128] [--prompt-tokens 32] [--isa avx2|avx2_vnni]
     .venv/bin/python benchmarks/peers_setup.py       # only install the vLLM / OpenVINO venvs
 """
 
@@ -148,7 +150,7 @@ ATOM_ALSO = {
         "Atom bf16 a8": dict(dtype="bfloat16", activation_bits=8),
     }
 }
-ISAS = ("avx2",)
+ISAS = ("avx2", "avx2_vnni")
 PEER_ISA = "ATOM_PEER_ISA"  # tells a peer worker which level to run at (peer_vllm.py, peer_openvino.py)
 LOAD_TIMEOUT = 1800.0  # s, a worker's model load (first-time compiles included)
 RUN_TIMEOUT = 1800.0  # s, one round of one worker

@@ -15,6 +15,7 @@ from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, detect, variant
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 ZEN5 = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # Intel client cores since Alder Lake: AVX-VNNI, no AVX-512
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,9 @@ ZEN5 = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
         (ZEN5, "x86_64", "avx512_bf16", True),
         (SKYLAKE_SP, "x86_64", "avx512", True),
         (ZEN3, "x86_64", "avx2", False),
-        (ZEN3 | {"avx_ne_convert", "avx_vnni"}, "x86_64", "avx2", True),  # Intel client CPUs with AVX-NE-CONVERT
+        (ALDER_LAKE, "x86_64", "avx2_vnni", False),
+        (ALDER_LAKE | {"avx_ne_convert"}, "x86_64", "avx2_vnni", True),  # Intel client CPUs with AVX-NE-CONVERT
+        (ZEN5 | {"avx_vnni"}, "x86_64", "avx512_bf16", True),  # Zen 5 has AVX-VNNI too: AVX-512 still wins
         (frozenset({"sse2"}), "x86_64", "portable", False),
         (frozenset({"fp", "asimd"}), "aarch64", "portable", False),
         (ZEN5, "aarch64", "portable", True),  # x86 flags never pick an x86 build on another machine
@@ -42,17 +45,30 @@ def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
     assert not f.onednn_bf16 and not any(x.startswith("avx512") for x in f.flags)
     assert detect(ZEN5, isa="portable", machine="x86_64").variants == ("portable",)
     assert detect(ZEN5, isa="AVX512", machine="x86_64").variants == ("avx512", "avx2", "portable")
+    # a CPU with AVX-VNNI held to AVX2 loses it (Zen 3 has none); held to avx2_vnni, keeps it
+    assert detect(ZEN5 | {"avx_vnni"}, isa="avx2", machine="x86_64").variants == ("avx2", "portable")
+    f = detect(ZEN5 | {"avx_vnni"}, isa="avx2_vnni", machine="x86_64")
+    assert f.variants == ("avx2_vnni", "avx2", "portable") and f.capped and not f.onednn_bf16
+    assert detect(ALDER_LAKE, isa="avx2_vnni", machine="x86_64").capped is False
+    with pytest.raises(ValueError, match=r"ATOM_CPU_ISA=avx2_vnni: this CPU cannot run it \(it lacks avx_vnni\)"):
+        detect(ZEN3, isa="avx2_vnni", machine="x86_64")
     with pytest.raises(ValueError, match=r"ATOM_CPU_ISA=avx512: this CPU cannot run it \(it lacks avx512bw"):
         detect(ZEN3, isa="avx512", machine="x86_64")
     with pytest.raises(
-        ValueError, match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2, portable"
+        ValueError,
+        match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2_vnni, avx2, portable",
     ):
         detect(ZEN3, isa="sse9", machine="x86_64")
 
 
-def test_variants_are_ordered_best_first_and_each_needs_what_the_next_does():
-    for better, worse in zip(VARIANTS, VARIANTS[1:]):
-        assert worse.requires <= better.requires
+def test_variants_are_ordered_best_first():
+    """No variant is listed after one whose features it has all of and more; AVX-512 ones come
+    first (AVX-VNNI is a branch of its own: AVX-512 CPUs carry VNNI as avx512_vnni)."""
+    for i, better in enumerate(VARIANTS):
+        for worse in VARIANTS[i + 1 :]:
+            assert not better.requires < worse.requires, (better.name, worse.name)
+    assert variant("avx2").requires < variant("avx2_vnni").requires
+    assert variant("avx2").requires < variant("avx512").requires < variant("avx512_bf16").requires
     assert all("-march=native" not in v.cflags for v in VARIANTS)
 
 
@@ -335,3 +351,24 @@ def test_kernels_idle_builds_at_idle_priority(monkeypatch):
         t.join()
     assert seen == [os.SCHED_OTHER, os.SCHED_IDLE]
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_kernel_runs_its_base_build_at_a_variant_it_has_no_code_for(tmp_path):
+    """avx2_vnni adds what only the group kernels use: the others run their avx2 build there
+    (one build fewer each), and `atom env` says so."""
+    from atom_core.layers.cpp import CppKernel
+    from atom_core.layers.gemm import GEMV_KERNEL
+    from atom_core.layers.ops import CPU_OPS_KERNEL
+
+    source = tmp_path / "k.cpp"
+    assert CppKernel("atom_k", source).build_of("avx2_vnni") == "avx2"
+    assert CppKernel("atom_k", source, uses=("avx2_vnni",)).build_of("avx2_vnni") == "avx2_vnni"
+    assert [CppKernel("atom_k", source).build_of(v.name) for v in VARIANTS if v.base is None] == [
+        v.name for v in VARIANTS if v.base is None
+    ]
+    assert GEMV_KERNEL.build_of("avx2_vnni") == "avx2_vnni" and CPU_OPS_KERNEL.build_of("avx2_vnni") == "avx2"
+    if "avx2_vnni" in detect().variants and os.environ.get("ATOM_CPU_KERNELS") != "0":
+        assert CPU_OPS_KERNEL.load("avx2_vnni") is CPU_OPS_KERNEL.load("avx2") is not None
+        assert CPU_OPS_KERNEL.status("avx2_vnni") == "avx2"
+        gemv = GEMV_KERNEL.load("avx2_vnni")
+        assert gemv is not None and gemv is not GEMV_KERNEL.load("avx2") and gemv.VARIANT == "avx2_vnni"

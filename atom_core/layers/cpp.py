@@ -73,8 +73,10 @@ def compiler() -> str | None:
 class CppKernel:
     """One C++ source (and the shared headers), built and loaded per variant on first use."""
 
-    def __init__(self, name: str, source: Path):
-        self.name, self.source = name, source
+    def __init__(self, name: str, source: Path, uses: Sequence[str] = ()):
+        """`uses`: the variants with a `base` (cpu_features.VARIANTS) this source has code of
+        its own for; at the others it runs its build of the base."""
+        self.name, self.source, self.uses = name, source, frozenset(uses)
         self._modules: dict[str, ModuleType | None] = {}
         self._why: dict[str, str] = {}
         self._default: ModuleType | None = None  # this CPU's build, once loaded
@@ -93,27 +95,37 @@ class CppKernel:
         if not kernels_enabled():
             return None
         default = variant_name is None
-        variant_name = variant_name or cpu_features().variant.name
-        if variant_name not in self._modules and variant_name == cpu_features().variant.name:
-            _build_declared_once(variant_name)
-        if default and variant_name in _deferred and variant_name not in self._modules:
-            self._why[variant_name] = _deferred[variant_name]
+        cpu_variant = cpu_features().variant.name
+        wanted = variant_name or cpu_variant
+        build = self.build_of(wanted)
+        if build not in self._modules and wanted == cpu_variant:
+            _build_declared_once(wanted)
+        if default and wanted in _deferred and build not in self._modules:
+            self._why[build] = _deferred[wanted]
             return None
         with self._lock:
-            if variant_name not in self._modules:
-                self._modules[variant_name] = self._build(variant_name)
+            if build not in self._modules:
+                self._modules[build] = self._build(build)
             if default:
-                self._default = self._modules[variant_name]
-            return self._modules[variant_name]
+                self._default = self._modules[build]
+            return self._modules[build]
+
+    def build_of(self, variant_name: str) -> str:
+        """The build this kernel runs at `variant_name`: its own, or its base's where this
+        source has no code for what the variant adds."""
+        v = variant(variant_name)
+        while v.base is not None and v.name not in self.uses:
+            v = variant(v.base)
+        return v.name
 
     def status(self, variant_name: str | None = None) -> str:
-        """What `load` gave: the variant, or why there is none (after `load`)."""
-        variant_name = variant_name or cpu_features().variant.name
+        """What `load` gave: the build it runs, or why there is none (after `load`)."""
+        build = self.build_of(variant_name or cpu_features().variant.name)
         if not kernels_enabled():
             return "off (ATOM_CPU_KERNELS=0)"
-        if self._modules.get(variant_name) is not None:
-            return variant_name
-        return f"torch path ({self._why.get(variant_name, 'not loaded yet')})"
+        if self._modules.get(build) is not None:
+            return build
+        return f"torch path ({self._why.get(build, 'not loaded yet')})"
 
     def module_name(self, variant_name: str) -> str:
         # The checkout's path is in the name too: two checkouts (a clone beside a working tree)
@@ -150,6 +162,7 @@ class CppKernel:
         cxx = compiler()
         if cxx is None:
             return True
+        variant_name = self.build_of(variant_name)
         try:
             build_dir = self.build_dir(variant_name)
         except OSError:

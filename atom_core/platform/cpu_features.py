@@ -6,7 +6,7 @@ on any CPU that has its level, so a build cache shared between hosts stays right
 AVX-512 host can build and test the AVX2 variant too. At run time the best variant whose
 features this CPU has is chosen.
 
-`ATOM_CPU_ISA=avx2` (or `avx512`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
+`ATOM_CPU_ISA=avx2` (or `avx2_vnni`, `avx512`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
 would on a CPU of that level: the kernel variant, and whether oneDNN's packed bfloat16
 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
 (`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
@@ -37,6 +37,9 @@ class Variant:
     aten: str
     onednn: str
     mkl: str
+    # A level whose extra features few kernels have code for: a kernel that does not list it
+    # (`CppKernel(uses=...)`) runs its build of `base` there, rather than a second identical one.
+    base: str | None = None
 
     def caps(self) -> dict[str, str]:
         """The environment variables that hold torch, oneDNN and MKL at this level."""
@@ -76,6 +79,17 @@ VARIANTS: tuple[Variant, ...] = (
         "avx512",
         "AVX512_CORE",
         "AVX512",
+    ),
+    # AVX2 with AVX-VNNI (Intel since Alder Lake and Sierra Forest): the 4-bit kernels' integer
+    # dot products in one instruction each
+    Variant(
+        "avx2_vnni",
+        _AVX2 | {"avx_vnni"},
+        ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+        "avx2",
+        "AVX2_VNNI",
+        "AVX2_E1",
+        base="avx2",
     ),
     Variant("avx2", _AVX2, ("-mavx2", "-mfma", "-mf16c"), "avx2", "AVX2", "AVX2"),
     # compiles anywhere (aarch64 included): generic vectors the compiler maps to what it has

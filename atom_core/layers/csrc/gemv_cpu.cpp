@@ -289,8 +289,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
 // W_4j .. W_4j+3, whose values at lane i sit in the four nibbles of int16 i (one and or
 // shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
 //
-// act_bits 16: one vpdpwssd (AVX-512 VNNI; elsewhere vpmaddwd and an add, the same exact
-// integers) of W_p against the broadcast pair (x_2p, x_2p+1) adds 32 products into the 16
+// act_bits 16: one vpdpwssd (AVX-512 VNNI, or AVX-VNNI on AVX2 CPUs that have it; elsewhere
+// vpmaddwd and an add, the same exact integers) of W_p against the broadcast pair (x_2p, x_2p+1) adds 32 products into the 16
 // columns' int32 sums: 16 of them a group and row.
 // act_bits 8: the same 64 bytes j read as bytes give two vectors of four 4-bit values a
 // column, the low nibbles (k = 8j + 0, 4, 1, 5) and the high ones (8j + 2, 6, 3, 7); x's
@@ -463,6 +463,7 @@ inline vi dot_pairs(vi acc, vi w, vi x) {
 #endif
 }
 #if defined(__AVX512VNNI__)
+#define QGEMM_DOT_QUADS 1
 // acc + the products of w's u8 and x's s8 quads, four a lane: exact integers
 inline vi dot_quads(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
 #endif
@@ -488,10 +489,18 @@ inline vf vi_to_float(vi v) { return _mm256_cvtepi32_ps(v); }
 // The empty asm keeps each sum where it is in its chain: integer adds reassociate, and GCC
 // otherwise computes a whole group's products first and spills them all to add them up.
 inline vi dot_pairs(vi acc, vi w, vi x) {
+#if defined(__AVXVNNI__)  // AVX-VNNI (Intel since Alder Lake): the same integers in one instruction
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
   vi sum = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
   asm("" : "+x"(sum));
   return sum;
+#endif
 }
+#if defined(__AVXVNNI__)
+#define QGEMM_DOT_QUADS 1
+inline vi dot_quads(vi acc, vi w, vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#endif
 inline vi madd_bytes(vi acc, vi w, vi x) {
   vi sum = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x));
   asm("" : "+x"(sum));
@@ -581,23 +590,32 @@ inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kCo
 template <int MB, int BITS>
 inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kColVecs], std::integral_constant<int, 8>) {
   static_assert(BITS == 4, "int8 activations take 4-bit weights");
-#if defined(__AVX512VNNI__)
+#if defined(QGEMM_DOT_QUADS)  // AVX-512 VNNI or AVX-VNNI
   constexpr int CH = kChains<MB>;
-  vi sums[MB][CH];
+  vi sums[MB][kColVecs][CH];
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int h = 0; h < CH; ++h) sums[m][h] = vi_zero();
+    UNROLL for (int c = 0; c < kColVecs; ++c)
+      UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
   UNROLL for (int j = 0; j < 4; ++j) {
-    const vi v = load_vi(tg + j * 64);
-    const vi lo = and_vi(v, 0x0F0F), hi = and_vi(srli16<4>(v), 0x0F0F);
+    vi lo[kColVecs], hi[kColVecs];
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
+      const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
+      lo[c] = and_vi(v, 0x0F0F);
+      hi[c] = and_vi(srli16<4>(v), 0x0F0F);
+    }
     UNROLL for (int m = 0; m < MB; ++m) {
-      sums[m][(2 * j) % CH] = dot_quads(sums[m][(2 * j) % CH], lo, vi_set1(xq[2 * j * QROWS + m]));
-      sums[m][(2 * j + 1) % CH] = dot_quads(sums[m][(2 * j + 1) % CH], hi, vi_set1(xq[(2 * j + 1) * QROWS + m]));
+      const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
+      UNROLL for (int c = 0; c < kColVecs; ++c) {
+        sums[m][c][(2 * j) % CH] = dot_quads(sums[m][c][(2 * j) % CH], lo[c], xa);
+        sums[m][c][(2 * j + 1) % CH] = dot_quads(sums[m][c][(2 * j + 1) % CH], hi[c], xb);
+      }
     }
   }
-  UNROLL for (int m = 0; m < MB; ++m) {
-    total[m][0] = sums[m][0];
-    UNROLL for (int h = 1; h < CH; ++h) total[m][0] = vi_add(total[m][0], sums[m][h]);
-  }
+  UNROLL for (int m = 0; m < MB; ++m)
+    UNROLL for (int c = 0; c < kColVecs; ++c) {
+      total[m][c] = sums[m][c][0];
+      UNROLL for (int h = 1; h < CH; ++h) total[m][c] = vi_add(total[m][c], sums[m][c][h]);
+    }
 #else
   // Each row's pair of x words broadcast once and used against both halves' nibbles.
   vi s16[MB][kColVecs];
