@@ -458,7 +458,9 @@ def cpu_description() -> str:
     if cpuinfo.is_file():
         found = re.search(r"^flags\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
         flags = set(found[1].split()) if found else set()
-    isa = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    isa = ", ".join(
+        f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "amx_bf16")
+    )
     return (f"CPU: {model}, {os.cpu_count()} logical CPUs; {isa}; "
             f"torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
 

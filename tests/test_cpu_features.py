@@ -15,6 +15,7 @@ from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, detect, variant
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 ZEN5 = SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
+CASCADE_LAKE = SKYLAKE_SP | {"avx512_vnni"}  # and Ice Lake: VNNI, no bfloat16
 ALDER_LAKE = ZEN3 | {"avx_vnni"}  # Intel client cores since Alder Lake: AVX-VNNI, no AVX-512
 
 
@@ -23,6 +24,7 @@ ALDER_LAKE = ZEN3 | {"avx_vnni"}  # Intel client cores since Alder Lake: AVX-VNN
     [
         (ZEN5, "x86_64", "avx512_bf16", True),
         (SKYLAKE_SP, "x86_64", "avx512", True),
+        (CASCADE_LAKE, "x86_64", "avx512_vnni", True),
         (ZEN3, "x86_64", "avx2", False),
         (ALDER_LAKE, "x86_64", "avx2_vnni", False),
         (ALDER_LAKE | {"avx_ne_convert"}, "x86_64", "avx2_vnni", True),  # Intel client CPUs with AVX-NE-CONVERT
@@ -56,7 +58,7 @@ def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
         detect(ZEN3, isa="avx512", machine="x86_64")
     with pytest.raises(
         ValueError,
-        match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512, avx2_vnni, avx2, portable",
+        match="ATOM_CPU_ISA=sse9: unknown kernel variant 'sse9'; known: avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2, portable",
     ):
         detect(ZEN3, isa="sse9", machine="x86_64")
 
@@ -68,7 +70,8 @@ def test_variants_are_ordered_best_first():
         for worse in VARIANTS[i + 1 :]:
             assert not better.requires < worse.requires, (better.name, worse.name)
     assert variant("avx2").requires < variant("avx2_vnni").requires
-    assert variant("avx2").requires < variant("avx512").requires < variant("avx512_bf16").requires
+    assert variant("avx2").requires < variant("avx512").requires < variant("avx512_vnni").requires
+    assert variant("avx512_vnni").requires < variant("avx512_bf16").requires
     assert all("-march=native" not in v.cflags for v in VARIANTS)
 
 
@@ -367,6 +370,7 @@ def test_a_kernel_runs_its_base_build_at_a_variant_it_has_no_code_for(tmp_path):
         v.name for v in VARIANTS if v.base is None
     ]
     assert GEMV_KERNEL.build_of("avx2_vnni") == "avx2_vnni" and CPU_OPS_KERNEL.build_of("avx2_vnni") == "avx2"
+    assert GEMV_KERNEL.build_of("avx512_vnni") == "avx512_vnni" and CPU_OPS_KERNEL.build_of("avx512_vnni") == "avx512"
     if "avx2_vnni" in detect().variants and os.environ.get("ATOM_CPU_KERNELS") != "0":
         assert CPU_OPS_KERNEL.load("avx2_vnni") is CPU_OPS_KERNEL.load("avx2") is not None
         assert CPU_OPS_KERNEL.status("avx2_vnni") == "avx2"

@@ -48,8 +48,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 PACK_ROWS = 64
 
 
-# its 4- and 8-bit group kernels take AVX-VNNI's dot products where an AVX2 CPU has them
-GEMV_KERNEL = CppKernel("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp", uses=("avx2_vnni",))
+# its 4- and 8-bit group kernels take VNNI's dot products where the CPU has them
+GEMV_KERNEL = CppKernel("atom_gemv", Path(__file__).parent / "csrc" / "gemv_cpu.cpp", uses=("avx512_vnni", "avx2_vnni"))
 
 
 _faked: set[str] = set()

@@ -6,7 +6,7 @@ on any CPU that has its level, so a build cache shared between hosts stays right
 AVX-512 host can build and test the AVX2 variant too. At run time the best variant whose
 features this CPU has is chosen.
 
-`ATOM_CPU_ISA=avx2` (or `avx2_vnni`, `avx512`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
+`ATOM_CPU_ISA=avx2` (or `avx2_vnni`, `avx512`, `avx512_vnni`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
 would on a CPU of that level: the kernel variant, and whether oneDNN's packed bfloat16
 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
 (`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
@@ -72,6 +72,17 @@ VARIANTS: tuple[Variant, ...] = (
         "AVX512_CORE_BF16",
         "AVX512",
     ),  # fmt: skip
+    # AVX-512 with VNNI, no bfloat16 (Cascade Lake, Ice Lake, Tiger Lake): the group kernels'
+    # dot products, as avx2_vnni adds them to avx2
+    Variant(
+        "avx512_vnni",
+        _AVX512 | {"avx512_vnni"},
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+        "avx512",
+        "AVX512_CORE_VNNI",
+        "AVX512_E1",
+        base="avx512",
+    ),
     Variant(
         "avx512",
         _AVX512,
