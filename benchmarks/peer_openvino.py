@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_protocol import serve  # noqa: E402
+from peer_protocol import ISAS, PEER_ISA, serve  # noqa: E402
 
 # INFERENCE_PRECISION_HINT per precision; None leaves the CPU plugin's default (bf16 on CPUs
 # with AVX512_BF16 or AMX, else f32), what a user of an int4 export gets.
@@ -46,8 +46,8 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
     scheduler.max_num_batched_tokens = max(max(job["batches"]) * job["prompt_tokens"], job["pp_tokens"])
     properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": job["threads"]}
     hint = PRECISION_HINTS[job["precision"]]
-    isa = os.environ.get("ATOM_PEER_ISA")
-    if isa in ("avx2", "avx2_vnni"):
+    isa = os.environ.get(PEER_ISA)
+    if isa in ISAS:
         # The CPU plugin chooses bfloat16 from CPUID, not from oneDNN's cap (it then fails to
         # create its primitives): f32 is what it runs on an AVX2 CPU, for either hint. Its 4-bit
         # layers' dynamic quantization needs VNNI (not in AVX2) and also fails under the cap.

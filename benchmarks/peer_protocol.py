@@ -19,6 +19,10 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 MARK = "@@peer "
+# `vs_peers.py --isa`: the levels every engine can be held to (AVX2 CPUs, with AVX-VNNI or
+# without), and the variable that tells a worker which one it runs at
+ISAS = ("avx2", "avx2_vnni")
+PEER_ISA = "ATOM_PEER_ISA"
 
 
 def _protocol_stdout() -> TextIO:

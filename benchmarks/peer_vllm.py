@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_protocol import serve  # noqa: E402
+from peer_protocol import ISAS, PEER_ISA, serve  # noqa: E402
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
@@ -33,8 +33,8 @@ DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 def load(job: dict[str, Any]) -> tuple[Any, str]:
     import torch
 
-    isa = os.environ.get("ATOM_PEER_ISA")
-    if isa in ("avx2", "avx2_vnni"):
+    isa = os.environ.get(PEER_ISA)
+    if isa in ISAS:
         # vLLM picks its _C build (AVX-512 with or without bfloat16, or AVX2) from torch's CPUID
         # queries, which no environment variable caps; on an AVX2 CPU they say no.
         torch.cpu._is_avx512_supported = lambda: False

@@ -118,7 +118,7 @@ import peers_setup  # noqa: E402
 from gemv_bandwidth import CopyBandwidth  # noqa: E402
 from gguf import GGUFReader  # noqa: E402
 from llamacpp_build import batched_bench, llama_cpp_commit  # noqa: E402
-from peer_protocol import MARK  # noqa: E402
+from peer_protocol import ISAS, MARK, PEER_ISA  # noqa: E402
 from vs_llamacpp import (  # noqa: E402
     PP_TOKENS,
     Speeds,
@@ -150,8 +150,6 @@ ATOM_ALSO = {
         "Atom bf16 a8": dict(dtype="bfloat16", activation_bits=8),
     }
 }
-ISAS = ("avx2", "avx2_vnni")
-PEER_ISA = "ATOM_PEER_ISA"  # tells a peer worker which level to run at (peer_vllm.py, peer_openvino.py)
 LOAD_TIMEOUT = 1800.0  # s, a worker's model load (first-time compiles included)
 RUN_TIMEOUT = 1800.0  # s, one round of one worker
 

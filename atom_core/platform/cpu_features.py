@@ -6,9 +6,9 @@ on any CPU that has its level, so a build cache shared between hosts stays right
 AVX-512 host can build and test the AVX2 variant too. At run time the best variant whose
 features this CPU has is chosen.
 
-`ATOM_CPU_ISA=avx2` (or `avx2_vnni`, `avx512`, `avx512_vnni`, `avx512_bf16`, `portable`) makes Atom choose exactly as it
-would on a CPU of that level: the kernel variant, and whether oneDNN's packed bfloat16
-path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
+`ATOM_CPU_ISA=avx2` (or `avx2_vnni`, `avx512`, `avx512_vnni`, `avx512_bf16`, `portable`) makes
+Atom choose exactly as it would on a CPU of that level: the kernel variant, and whether
+oneDNN's packed bfloat16 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
 (`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
 (`ATEN_CPU_CAPABILITY`) where those are not set, as early as `import atom_core`, before torch
 has chosen. A level above what the CPU has is refused. This module imports no torch.

@@ -290,8 +290,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
 // shift a vector to unpack). 8 bits: 512 bytes, W_p's 32 bytes in order.
 //
 // act_bits 16: one vpdpwssd (AVX-512 VNNI, or AVX-VNNI on AVX2 CPUs that have it; elsewhere
-// vpmaddwd and an add, the same exact integers) of W_p against the broadcast pair (x_2p, x_2p+1) adds 32 products into the 16
-// columns' int32 sums: 16 of them a group and row.
+// vpmaddwd and an add, the same exact integers) of W_p against the broadcast pair
+// (x_2p, x_2p+1) adds 32 products into the 16 columns' int32 sums: 16 of them a group and row.
 // act_bits 8: the same 64 bytes j read as bytes give two vectors of four 4-bit values a
 // column, the low nibbles (k = 8j + 0, 4, 1, 5) and the high ones (8j + 2, 6, 3, 7); x's
 // int8 values are stored in that order (`quad_k`), so one vpdpbusd (u8 weights times s8
