@@ -16,7 +16,7 @@ import torch
 
 from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 from atom_core.layers.mla import MLAAttention
-from atom_core.runner.attention_builder import AttentionMetadataBuilder
+from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext
 
 BS = 16
 
@@ -42,10 +42,10 @@ def setup(heads, rank, rope, nope, v, dtype, ctx, q_lens, seed=0):
         left_pad_blocks=None,
         tkvs=None,
     )
-    runner = SimpleNamespace(
+    context = BuilderContext(
         config=SimpleNamespace(kv_cache_block_size=BS), hf_config=None, dtype=dtype, device=torch.device("cpu")
     )
-    meta = AttentionMetadataBuilder(runner, []).build(batch)
+    meta = AttentionMetadataBuilder(context, []).build(batch)
     inputs = (
         torch.randn(total, heads, nope).to(dtype),
         torch.randn(total, heads, rope).to(dtype),

@@ -363,3 +363,58 @@ def test_float32_queries_over_a_bfloat16_cache_keep_windows_sinks_and_softcaps(
         chunks = slice(0, int(starts[3]))
         narrow = ops.paged_attention(q.bfloat16(), k_cache, v_cache, *args)
         assert torch.equal(out[chunks].bfloat16(), narrow[chunks])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (576, 1, 5), (96, 2, 2)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (700, 30.0, True), (1100, None, True)])
+def test_cpu_kernel_splits_long_decode_queries_into_parts(dtype, dim, kv_heads, group, window, softcap, sinks,
+                                                          kernel_variant):  # fmt: skip
+    """A decode or verification row over more than a part's keys (512) takes a softmax per
+    part and merges them: against a float64 reference at contexts on and across part edges,
+    with windows that start inside a later part, sinks (which join at the merge) and soft caps;
+    head dims 64, MLA's 576 and 96 (the generic loop)."""
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
+    gen = torch.Generator().manual_seed(dim + group + (window or 0))
+    bs, nblocks = 16, 320
+    context_lens, num_new = [1500, 1025, 513, 512, 40, 1030], [1, 3, 1, 1, 1, 8]
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks)
+    heads = kv_heads * group
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
+    out = ops.paged_attention(
+        q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5, window or 0, softcap or 0.0, sink
+    )
+    ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (576, 1, 5)])
+def test_a_split_decode_row_gives_the_same_bits_alone_and_in_any_batch(dim, kv_heads, group, kernel_variant):
+    """Alone, a long decode row's parts run as tasks of their own (few tasks: threads would
+    idle); in a batch one task takes them in turn. Either way the same parts merge alike, and
+    a verification row's token j is the decode row at its length: speculative decoding's
+    verify rows round as plain decode rows do."""
+    ops = require_kernel(cpu_kernels.load(kernel_variant))
+    gen = torch.Generator().manual_seed(dim)
+    bs, nblocks = 16, 400
+    context_lens = [1300, 700, 90, 2000, 1030, 515]
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, torch.float32, gen, bs, nblocks)
+    q = torch.randn(len(context_lens), kv_heads * group, dim, generator=gen)
+    lens = torch.tensor(context_lens)
+    together = ops.paged_attention(q, k_cache, v_cache, padded, lens, torch.arange(len(context_lens) + 1), dim**-0.5)
+    for i in range(len(context_lens)):
+        alone = ops.paged_attention(q[i : i + 1], k_cache, v_cache, padded[i : i + 1], lens[i : i + 1],
+                                    torch.tensor([0, 1]), dim**-0.5)  # fmt: skip
+        assert torch.equal(alone, together[i : i + 1]), i
+    # request 3 verifying 3 tokens at 1028..1030 keys: each token as a decode row of that length
+    n, L = 3, 1030
+    qv = torch.randn(n, kv_heads * group, dim, generator=gen)
+    table, lens_v = padded[4:5], torch.tensor([L])
+    verify = ops.paged_attention(qv, k_cache, v_cache, table, lens_v, torch.tensor([0, n]), dim**-0.5)
+    for j in range(n):
+        decode = ops.paged_attention(qv[j : j + 1], k_cache, v_cache, table, torch.tensor([L - n + j + 1]),
+                                     torch.tensor([0, 1]), dim**-0.5)  # fmt: skip
+        assert torch.equal(decode, verify[j : j + 1]), j

@@ -4,7 +4,9 @@
 // products; at decode that copy costs as much as the products themselves. A request with
 // a few new tokens (decode, speculative verification) is one task per KV head that walks
 // the block table once per token: the scores of the query heads sharing that KV head
-// against the K rows, a float32 softmax, then the weighted sum of the V rows. A request
+// against the K rows, a float32 softmax, then the weighted sum of the V rows; past
+// `kPartitionKeys` keys in parts of that many, merged after, which a step with few such
+// tasks runs on threads of their own (flash-decoding's split, vLLM's paged attention v2). A request
 // with a long run of new tokens (a prompt chunk) is tiled: its keys are transposed once
 // per KV head into float32, and each tile of tokens x the group's heads goes over them in
 // chunks with a running (online) softmax, so each K/V value read serves the whole tile.
@@ -193,9 +195,12 @@ struct VecRows {
 };
 // VecRows::accumulate for wide rows: per slice of kSlice registers, kSliceHeads heads'
 // accumulators stay in registers over the block's rows and each row slice is loaded once for them.
+// Not inlined: inlined into the per-token loop it compiled to a slower loop (MLA's decode,
+// docs/kernels.md).
 template <typename T, int D>
-void VecRows<T, D>::accumulate_sliced(const float* p, int64_t p_stride, int hb, const T* rows, int64_t stride,
-                                      int64_t n, float* acc, const T* ahead) {
+__attribute__((noinline)) void VecRows<T, D>::accumulate_sliced(const float* p, int64_t p_stride, int hb,
+                                                                const T* rows, int64_t stride, int64_t n, float* acc,
+                                                                const T* ahead) {
   constexpr int H = kSliceHeads;
   if (ahead)
     for (int64_t t = 0; t < n; ++t) prefetch_row(ahead + t * stride, D);
@@ -232,6 +237,16 @@ using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>
 
 // A request with more new tokens than this takes the tiled path.
 constexpr int64_t kShortQuery = 8;
+// Keys (rounded to whole blocks) of one part of a query on the per-token path. A query that
+// sees keys in more than one part takes a softmax per part and merges them
+// (`merge_partitions`), whether one task runs its parts in turn or, in a step with fewer
+// than kSplitBelow (request, KV head) pairs a thread on that path, each part is a task of
+// its own: then one request with MLA's single latent head, or three KV heads on two
+// threads, still spreads over every thread. The parts depend on the query's keys alone,
+// never on the batch or the thread count, so a row's output is the same bits alone and in
+// any batch (speculative verification's rows round as decode rows do).
+constexpr int64_t kPartitionKeys = 512;
+constexpr int64_t kSplitBelow = 2;
 // Tokens per tile: with the group's heads, the rows that share each chunk of K/V.
 constexpr int64_t kTileTokens = 8;
 // Chunks of keys per softmax step of the tiled path: a row's maximum, exponentials and sum
@@ -539,13 +554,19 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   }
 }
 
-// The per-token path: request r's tokens [start, start + n) over KV head h, one token at a time.
+// The per-token path: request r's tokens [start, start + n) over KV head h, one token at a
+// time, over the keys of blocks [from, to) of each token's own (the part of a split query a
+// task takes, `kPartitionKeys`; 0 and the table's end: every key). With `partial` null each
+// token's output is written; else each (token, query head) leaves its part's unnormalised
+// softmax there, [m, l, acc[dim]] at partial + (j * group + g) * (dim + 2), for
+// `merge_partitions` (a part that holds no key a token sees: m = -inf, l = 0, acc = 0).
 template <typename Q, typename T, int D>
 void attend_tokens(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int64_t os1, int64_t start,
                    int64_t n, int64_t context, int64_t h, int64_t group, int64_t dim, const T* kbase,
                    const T* vbase, const int64_t* table, int64_t kb, int64_t kr, int64_t vb, int64_t vr,
-                   int64_t block_size, float fscale, const Options& opt, std::vector<float>& qf,
-                   std::vector<float>& acc, std::vector<float>& denom, std::vector<float>& scores) {
+                   int64_t block_size, float fscale, const Options& opt, int64_t from, int64_t to, float* partial,
+                   std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& denom,
+                   std::vector<float>& scores) {
   using R = Rows<T, D>;
   qf.resize(group * dim);
   acc.resize(group * dim);
@@ -553,52 +574,105 @@ void attend_tokens(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, in
   for (int64_t j = 0; j < n; ++j) {
     const int64_t tok = start + j;
     const int64_t len = context - n + j + 1;  // keys this query sees
-    scores.resize(group * len);
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    const int64_t lo = opt.first_key(len - 1);  // the window's first key
+    const int64_t b0 = std::max(lo / block_size, from);  // blocks before it are not read
+    const int64_t b1 = std::min(nblocks, to);
+    float* part = partial ? partial + j * group * (dim + 2) : nullptr;
+    if (b0 >= b1) {  // only for a part: a whole query always sees its own key
+      for (int64_t g = 0; g < group; ++g) {
+        float* e = part + g * (dim + 2);
+        e[0] = -std::numeric_limits<float>::infinity();
+        std::fill(e + 1, e + dim + 2, 0.f);
+      }
+      continue;
+    }
+    const int64_t first_key = b0 * block_size, end_key = std::min(len, b1 * block_size);
+    const int64_t span = end_key - first_key;  // scores[g * span + t - first_key] for key t
+    const int64_t klo = std::max(lo, first_key);
+    scores.resize(group * span);
     for (int64_t g = 0; g < group; ++g) {
       const Q* src = qp + tok * qs0 + (h * group + g) * qs1;
       for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * fscale;
     }
-    const int64_t nblocks = (len + block_size - 1) / block_size;
-    const int64_t lo = opt.first_key(len - 1);  // the window's first key
-    const int64_t b0 = lo / block_size;  // blocks before it are not read
-    for (int64_t b = b0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = b * block_size, rows = std::min(block_size, len - first);
       const int64_t a = b + kPrefetchAhead;  // past the last K block: the first V blocks
-      const T* ahead = a < nblocks    ? kbase + table[a] * kb
-                       : a - nblocks + b0 < nblocks ? vbase + table[a - nblocks + b0] * vb
-                                                    : nullptr;
+      const T* ahead = a < b1 ? kbase + table[a] * kb : a - b1 + b0 < b1 ? vbase + table[a - b1 + b0] * vb : nullptr;
       for (int64_t g = 0; g < group; g += R::kHeads)
         R::scores(qf.data() + g * dim, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
-                  kbase + table[b] * kb, kr, rows, dim, scores.data() + g * len + first, len,
+                  kbase + table[b] * kb, kr, rows, dim, scores.data() + g * span + first - first_key, span,
                   g == 0 ? ahead : nullptr);
     }
     for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + g * len;
-      std::fill(sg + b0 * block_size, sg + lo, 0.f);  // the first block's keys before the window
-      opt.cap(sg + lo, len - lo);
-      float m = max_of(sg, lo, len);  // len > lo: a token sees itself
-      const float sink = opt.sinks ? opt.sinks[h * group + g] : 0.f;
-      if (opt.sinks) m = std::max(m, sink);
+      float* sg = scores.data() + g * span - first_key;  // indexed by key
+      std::fill(sg + first_key, sg + klo, 0.f);  // the first block's keys before the window
+      opt.cap(sg + klo, end_key - klo);
+      float m = max_of(sg, klo, end_key);  // end_key > klo: a part holds a key the token sees
+      const float sink = opt.sinks && !part ? opt.sinks[h * group + g] : 0.f;  // a split query's: at the merge
+      if (opt.sinks && !part) m = std::max(m, sink);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = lo; t < len; ++t) {
+      for (int64_t t = klo; t < end_key; ++t) {
         sg[t] = exp_nonpositive(sg[t] - m);
         sum += sg[t];
       }
-      denom[g] = opt.sinks ? sum + exp_nonpositive(sink - m) : sum;
+      denom[g] = opt.sinks && !part ? sum + exp_nonpositive(sink - m) : sum;
+      if (part) part[g * (dim + 2)] = m;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t b = b0; b < nblocks; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = b * block_size, rows = std::min(block_size, len - first);
-      const T* ahead = b + kPrefetchAhead < nblocks ? vbase + table[b + kPrefetchAhead] * vb : nullptr;
+      const int64_t a = b + kPrefetchAhead;  // past the part's last V block: the next part's first K blocks
+      const T* ahead = a < b1 ? vbase + table[a] * vb : a < nblocks ? kbase + table[a] * kb : nullptr;
       for (int64_t g = 0; g < group; g += R::kHeads)
-        R::accumulate(scores.data() + g * len + first, len, static_cast<int>(std::min<int64_t>(R::kHeads, group - g)),
-                      vbase + table[b] * vb, vr, rows, dim, acc.data() + g * dim, g == 0 ? ahead : nullptr);
+        R::accumulate(scores.data() + g * span + first - first_key, span,
+                      static_cast<int>(std::min<int64_t>(R::kHeads, group - g)), vbase + table[b] * vb, vr, rows, dim,
+                      acc.data() + g * dim, g == 0 ? ahead : nullptr);
     }
     for (int64_t g = 0; g < group; ++g) {
+      if (part) {
+        float* e = part + g * (dim + 2);
+        e[1] = denom[g];
+        std::copy(acc.begin() + g * dim, acc.begin() + (g + 1) * dim, e + 2);
+        continue;
+      }
       Q* dst = op + tok * os0 + (h * group + g) * os1;
       const float inv = 1.f / denom[g];
       for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<Q>(acc[g * dim + d] * inv);
+    }
+  }
+}
+
+// A split query's output from its parts' softmaxes (`attend_tokens` with `partial`): parts
+// [m, l, acc] for each (token, query head), `stride` floats from one part to the next; the
+// sum over the parts in order, rescaled to their largest m (and the head's sink, which
+// joins here).
+template <typename Q>
+void merge_partitions(const float* partial, int64_t parts, int64_t stride, Q* op, int64_t os0, int64_t os1,
+                      int64_t start, int64_t n, int64_t h, int64_t group, int64_t dim, const Options& opt,
+                      std::vector<float>& acc) {
+  acc.resize(dim);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* e0 = partial + (j * group + g) * (dim + 2);
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) m = std::max(m, e0[p * stride]);  // finite: a token sees its own key
+      const float sink = opt.sinks ? opt.sinks[h * group + g] : 0.f;
+      if (opt.sinks) m = std::max(m, sink);
+      float denom = opt.sinks ? exp_nonpositive(sink - m) : 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* e = e0 + p * stride;
+        if (e[1] == 0.f) continue;  // a part without a key this token sees
+        const float w = exp_nonpositive(e[0] - m);
+        denom += w * e[1];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] += w * e[2 + d];
+      }
+      Q* dst = op + (start + j) * os0 + (h * group + g) * os1;
+      const float inv = 1.f / denom;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<Q>(acc[d] * inv);
     }
   }
 }
@@ -669,27 +743,55 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Tasks: (request, KV head, first token of a tile, or -1 for the per-token path), with
-  // the work each does; the longest go first and threads take the next one as they finish.
+  // Tasks: (request, KV head, first token of a tile, or -1 for the per-token path, whose
+  // query may be split in parts: the part), with the work each does; the longest go first
+  // and threads take the next one as they finish.
   struct Task {
-    int64_t r, h, j0, cost;
+    int64_t r, h, j0, part, cost;
   };
   std::vector<Task> tasks;
   std::vector<int64_t> kt_offset(num_reqs, -1);  // into kt, for requests on the tiled path
   int64_t kt_size = 0;
   constexpr int64_t kChunk = kTiled ? Tiled<T, D>::kChunk : 1;
   auto padded = [&](int64_t r) { return (ctx[r] + kChunk - 1) / kChunk * kChunk; };
+  // Split queries: a request's parts [part_lo[r], part_lo[r] + parts[r]) of part_blocks
+  // blocks each (the first that any of its tokens' windows reaches, up to its last key),
+  // their softmaxes at part_offset[r] in `partial` ([kv_heads][parts][n][group][dim + 2]),
+  // merged by whichever of a (request, KV head)'s tasks ends last (`remaining`).
+  const int64_t part_blocks = std::max<int64_t>(1, kPartitionKeys / block_size);
+  std::vector<int64_t> part_lo(num_reqs, 0), parts(num_reqs, 1), part_offset(num_reqs, -1);
+  int64_t partial_size = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = starts[r + 1] - starts[r];
     if (!kTiled || n <= kShortQuery) {
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, h, -1, n * ctx[r]});
+      const int64_t blocks = (ctx[r] + block_size - 1) / block_size;
+      part_lo[r] = opt.first_key(ctx[r] - n) / block_size / part_blocks;
+      parts[r] = std::max<int64_t>(1, (blocks + part_blocks - 1) / part_blocks - part_lo[r]);
+      if (parts[r] > 1) {
+        part_offset[r] = partial_size;
+        partial_size += kv_heads * parts[r] * n * group * (dim + 2);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, h, -1, -1, n * ctx[r]});
       continue;
     }
     kt_offset[r] = kt_size;
     kt_size += kv_heads * dim * padded(r);
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t j0 = 0; j0 < n; j0 += kTileTokens)
-        tasks.push_back({r, h, j0, std::min(kTileTokens, n - j0) * (ctx[r] - n + std::min(n, j0 + kTileTokens))});
+        tasks.push_back({r, h, j0, 0, std::min(kTileTokens, n - j0) * (ctx[r] - n + std::min(n, j0 + kTileTokens))});
+  }
+  if (static_cast<int64_t>(tasks.size()) < kSplitBelow * at::get_num_threads()) {  // per-token tasks only
+    std::vector<Task> split;
+    for (const Task& t : tasks) {
+      if (parts[t.r] == 1) {
+        split.push_back(t);
+        continue;
+      }
+      const int64_t n = starts[t.r + 1] - starts[t.r], keys = part_blocks * block_size;
+      for (int64_t p = 0; p < parts[t.r]; ++p)
+        split.push_back({t.r, t.h, -1, p, n * std::min(keys, ctx[t.r] - (part_lo[t.r] + p) * keys)});
+    }
+    tasks.swap(split);
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
 
@@ -714,6 +816,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     });
   }
 
+  std::vector<float> partial(partial_size);
+  std::vector<std::atomic<int64_t>> remaining(partial_size ? num_reqs * kv_heads : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(remaining.size()); ++i) remaining[i].store(parts[i / kv_heads]);
+
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -723,9 +829,22 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       const Task& task = tasks[i];
       const int64_t r = task.r, h = task.h, n = starts[r + 1] - starts[r];
       const int64_t* table = tables + r * max_blocks;
-      if (task.j0 < 0) {
+      if (task.j0 < 0 && parts[r] == 1) {
         attend_tokens<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
-                            vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, qf, acc, denom, scores);
+                               vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, 0,
+                               std::numeric_limits<int64_t>::max(), nullptr, qf, acc, denom, scores);
+      } else if (task.j0 < 0) {  // a split query: one part (task.part), or all in turn (-1)
+        const int64_t stride = n * group * (dim + 2);  // from one part's softmaxes to the next's
+        float* head = partial.data() + part_offset[r] + h * parts[r] * stride;
+        const int64_t p0 = std::max<int64_t>(task.part, 0), p1 = task.part < 0 ? parts[r] : task.part + 1;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t from = (part_lo[r] + p) * part_blocks;
+          attend_tokens<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], h, group, dim, kp + h * kh,
+                                 vp + h * vh, table, kb, kr, vb, vr, block_size, fscale, opt, from,
+                                 from + part_blocks, head + p * stride, qf, acc, denom, scores);
+        }
+        if (remaining[r * kv_heads + h].fetch_sub(p1 - p0, std::memory_order_acq_rel) == p1 - p0)  // all done
+          merge_partitions<Q>(head, parts[r], stride, op, os0, os1, starts[r], n, h, group, dim, opt, acc);
       } else if constexpr (kTiled) {
         const int64_t at = kt_offset[r] + h * dim * padded(r);
         const void* keys = kPair ? static_cast<const void*>(kt2.data() + at / 2) : kt.data() + at;
