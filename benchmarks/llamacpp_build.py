@@ -157,5 +157,10 @@ def _log(message: str) -> None:
 
 
 if __name__ == "__main__":
-    _isa = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--isa=")), None)
-    print(llama_server() if "--server" in sys.argv[1:] else batched_bench(isa=_isa))
+    import argparse
+
+    _ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _ap.add_argument("--server", action="store_true", help="build llama-server instead of llama-batched-bench")
+    _ap.add_argument("--isa", choices=sorted(ISA_OPTIONS), help="build at this level, not -march=native")
+    _args = _ap.parse_args()
+    print(llama_server() if _args.server else batched_bench(isa=_args.isa))

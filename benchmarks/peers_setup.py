@@ -181,5 +181,12 @@ def _log(peer: Peer, message: str) -> None:
 
 
 if __name__ == "__main__":
-    for key in sys.argv[1:] or list(PEERS):
+    import argparse
+
+    _ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _ap.add_argument("peers", nargs="*", metavar="peer", help=f"of {', '.join(PEERS)} (default: all)")
+    _keys = _ap.parse_args().peers or list(PEERS)
+    if unknown := [k for k in _keys if k not in PEERS]:
+        _ap.error(f"unknown peer {unknown[0]!r}; the peers are {', '.join(PEERS)}")
+    for key in _keys:
         print(ensure_venv(PEERS[key]))
