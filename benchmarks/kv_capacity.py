@@ -20,6 +20,7 @@ import torch
 from atom_attention.mha.builder import MHAMetadataBuilder
 from atom_attention.mla.builder import MLAMetadataBuilder
 from atom_core.layers import Attention
+from atom_core.runner.attention_builder import BuilderContext
 from atom_models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 BLOCK_SIZE = 16
@@ -90,8 +91,9 @@ MODELS = {
 }
 
 
-def runner(cfg, dtype: torch.dtype) -> SimpleNamespace:
-    return SimpleNamespace(
+def runner(cfg, dtype: torch.dtype) -> BuilderContext:
+    """What a builder is made from, as the model runner gives it."""
+    return BuilderContext(
         config=SimpleNamespace(kv_cache_block_size=BLOCK_SIZE), hf_config=cfg, dtype=dtype, device=torch.device("cpu")
     )
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from atom_attention import cpu_kernels
 from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 from atom_core.layers.mla import MLAAttention
 from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext
@@ -88,12 +89,13 @@ def main() -> None:
             impl.prefill = mode
             times.append(timed(impl, *setup_args))
         print(f"  {n:5d} new tokens over {cached:5d} cached   {times[0]:8.2f}   {times[1]:8.2f}")
-    print("decode (absorbed)                       C++ kernel   torch")
+    kernel = cpu_kernels.load() is not None  # None: ATOM_CPU_KERNELS=0, or no build
+    print("decode (absorbed)                       C++ kernel   torch" + ("" if kernel else "  (C++ kernels off)"))
     for reqs, ctx in ((1, 1024), (16, 1024), (64, 512), (16, 4096)):
         setup_args = setup(**dims, ctx=[ctx] * reqs, q_lens=[1] * reqs)
-        cpp = timed(CpuMLAAttention(), *setup_args)
+        cpp = f"{timed(CpuMLAAttention(), *setup_args):8.2f}" if kernel else f"{'-':>8}"
         tor = timed(TorchMLAAttention(), *setup_args)
-        print(f"  {reqs:3d} requests x {ctx:5d} tokens          {cpp:8.2f}   {tor:8.2f}")
+        print(f"  {reqs:3d} requests x {ctx:5d} tokens          {cpp}   {tor:8.2f}")
 
 
 if __name__ == "__main__":
