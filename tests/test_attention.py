@@ -301,21 +301,13 @@ def options_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale,
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim,kv_heads,group", [(64, 2, 3), (128, 1, 4), (96, 2, 2)])
-@pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (None, 20.0, False), (None, None, True),
-                                                  (5, 30.0, True), (128, None, True)])  # fmt: skip
-def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, window, softcap, sinks, kernel_variant):
-    """Every kernel path (decode, short runs, tiles over a cached prefix) with a sliding window
-    that binds or not, and crosses block and chunk edges; soft-capped scores; sinks. Against a
-    float64 reference, and the torch path (`attend`) against the same."""
-    from atom_attention.mha.torch_paged import attend
-
-    ops = require_kernel(cpu_kernels.load(kernel_variant))
+def check_kernel_options(variant, dtype, dim, kv_heads, group, window, softcap, sinks, context_lens, num_new, nblocks):
+    """The kernel's output for requests of `context_lens` keys, the last `num_new` of them new
+    (random caches, tables and queries; a sink logit per head if `sinks`), against the float64
+    reference with the window and soft cap; what it ran on, for further checks."""
+    ops = require_kernel(cpu_kernels.load(variant))
     gen = torch.Generator().manual_seed(dim + group + (window or 0))
-    bs, nblocks = 16, 96
-    context_lens, num_new = [300, 9, 40, 100, 1, 17, 70, 33], [300, 9, 33, 20, 1, 17, 3, 1]
-    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks)
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, 16, nblocks)
     heads = kv_heads * group
     sink = torch.randn(heads, generator=gen) * 2 if sinks else None
     q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(dtype)
@@ -326,6 +318,23 @@ def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, wind
     ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    return q, k_cache, v_cache, tables, starts, ref, tol, sink
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 2, 3), (128, 1, 4), (96, 2, 2)])
+@pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (None, 20.0, False), (None, None, True),
+                                                  (5, 30.0, True), (128, None, True)])  # fmt: skip
+def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, window, softcap, sinks, kernel_variant):
+    """Every kernel path (decode, short runs, tiles over a cached prefix) with a sliding window
+    that binds or not, and crosses block and chunk edges; soft-capped scores; sinks. Against a
+    float64 reference, and the torch path (`attend`) against the same."""
+    from atom_attention.mha.torch_paged import attend
+
+    context_lens, num_new = [300, 9, 40, 100, 1, 17, 70, 33], [300, 9, 33, 20, 1, 17, 3, 1]
+    q, k_cache, v_cache, tables, starts, ref, tol, sink = check_kernel_options(
+        kernel_variant, dtype, dim, kv_heads, group, window, softcap, sinks, context_lens, num_new, nblocks=96
+    )
     for i, (table, L, n) in enumerate(zip(tables, context_lens, num_new)):
         k = k_cache[:, table].flatten(1, 2)[:, :L]
         v = v_cache[:, table].flatten(1, 2)[:, :L]
@@ -374,21 +383,10 @@ def test_cpu_kernel_splits_long_decode_queries_into_parts(dtype, dim, kv_heads, 
     part and merges them: against a float64 reference at contexts on and across part edges,
     with windows that start inside a later part, sinks (which join at the merge) and soft caps;
     head dims 64, MLA's 576 and 96 (the generic loop)."""
-    ops = require_kernel(cpu_kernels.load(kernel_variant))
-    gen = torch.Generator().manual_seed(dim + group + (window or 0))
-    bs, nblocks = 16, 320
     context_lens, num_new = [1500, 1025, 513, 512, 40, 1030], [1, 3, 1, 1, 1, 8]
-    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, dtype, gen, bs, nblocks)
-    heads = kv_heads * group
-    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
-    q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
-    out = ops.paged_attention(
-        q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5, window or 0, softcap or 0.0, sink
+    check_kernel_options(
+        kernel_variant, dtype, dim, kv_heads, group, window, softcap, sinks, context_lens, num_new, nblocks=320
     )
-    ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (576, 1, 5)])
