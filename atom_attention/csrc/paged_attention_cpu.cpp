@@ -240,7 +240,7 @@ constexpr int64_t kShortQuery = 8;
 // Keys (rounded to whole blocks) of one part of a query on the per-token path. A query that
 // sees keys in more than one part takes a softmax per part and merges them
 // (`merge_partitions`), whether one task runs its parts in turn or, in a step with fewer
-// than kSplitBelow (request, KV head) pairs a thread on that path, each part is a task of
+// than kSplitBelow tasks a thread (tiles of prompt chunks included), each part is a task of
 // its own: then one request with MLA's single latent head, or three KV heads on two
 // threads, still spreads over every thread. The parts depend on the query's keys alone,
 // never on the batch or the thread count, so a row's output is the same bits alone and in
@@ -780,7 +780,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
       for (int64_t j0 = 0; j0 < n; j0 += kTileTokens)
         tasks.push_back({r, h, j0, 0, std::min(kTileTokens, n - j0) * (ctx[r] - n + std::min(n, j0 + kTileTokens))});
   }
-  if (static_cast<int64_t>(tasks.size()) < kSplitBelow * at::get_num_threads()) {  // per-token tasks only
+  if (static_cast<int64_t>(tasks.size()) < kSplitBelow * at::get_num_threads()) {  // threads would idle
     std::vector<Task> split;
     for (const Task& t : tasks) {
       if (parts[t.r] == 1) {
