@@ -15,10 +15,14 @@ WORKERS = {"peer_openvino", "peer_vllm", "peer_protocol"}
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.stem not in WORKERS)
 
 
-def run(script: Path, *args: str, timeout: int = 300) -> str:
-    result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=BENCHMARKS.parent
+def launch(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent
     )
+
+
+def run(script: Path, *args: str) -> str:
+    result = launch(script, *args)
     assert result.returncode == 0, f"{script.name} {' '.join(args)}: {result.stderr[-2000:]}"
     return result.stdout
 
@@ -36,3 +40,15 @@ def test_kv_capacity_runs():
 def test_mla_paths_decode_runs():
     out = run(BENCHMARKS / "mla_paths.py", "--decode-only", "--threads", "2")
     assert out.count("requests x") == 4
+
+
+def test_decode_attention_runs_or_says_the_kernel_is_off():
+    from atom_attention import cpu_kernels
+
+    args = ["--shapes", "smollm2,mla", "--batch", "1", "--contexts", "600", "--rounds", "1", "--layers", "2"]
+    if cpu_kernels.load() is None:  # ATOM_CPU_KERNELS=0: one clear line, no traceback
+        result = launch(BENCHMARKS / "decode_attention.py", *args)
+        assert result.returncode != 0 and "not built here" in result.stderr and "Traceback" not in result.stderr
+        return
+    out = run(BENCHMARKS / "decode_attention.py", *args)
+    assert "| smollm2 | 1 | 600 |" in out and "| mla | 1 | 600 |" in out
