@@ -382,6 +382,10 @@ def test_a_kernel_runs_its_base_build_at_a_variant_it_has_no_code_for(tmp_path):
     assert [CppKernel("atom_k", source).build_of(v.name) for v in VARIANTS if v.base is None] == [
         v.name for v in VARIANTS if v.base is None
     ]
+    with pytest.raises(ValueError, match="unknown kernel variant 'avx2vnni'; known: avx512_bf16"):
+        CppKernel("atom_k", source, uses=("avx2vnni",))  # a misspelt level, not a silent base build
+    with pytest.raises(ValueError, match="atom_k: uses='avx2' has no base build"):
+        CppKernel("atom_k", source, uses=("avx2",))
     assert GEMV_KERNEL.build_of("avx2_vnni") == "avx2_vnni" and CPU_OPS_KERNEL.build_of("avx2_vnni") == "avx2"
     assert GEMV_KERNEL.build_of("avx512_vnni") == "avx512_vnni" and CPU_OPS_KERNEL.build_of("avx512_vnni") == "avx512"
     if "avx2_vnni" in detect().variants and os.environ.get("ATOM_CPU_KERNELS") != "0":

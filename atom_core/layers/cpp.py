@@ -76,6 +76,9 @@ class CppKernel:
     def __init__(self, name: str, source: Path, uses: Sequence[str] = ()):
         """`uses`: the variants with a `base` (cpu_features.VARIANTS) this source has code of
         its own for; at the others it runs its build of the base."""
+        for v in map(variant, uses):  # an unknown name: ValueError naming the known ones
+            if v.base is None:
+                raise ValueError(f"{name}: uses={v.name!r} has no base build; a kernel always has code for it")
         self.name, self.source, self.uses = name, source, frozenset(uses)
         self._modules: dict[str, ModuleType | None] = {}
         self._why: dict[str, str] = {}
