@@ -91,7 +91,7 @@ MODELS = {
 }
 
 
-def runner(cfg, dtype: torch.dtype) -> BuilderContext:
+def builder_context(cfg, dtype: torch.dtype) -> BuilderContext:
     """What a builder is made from, as the model runner gives it."""
     return BuilderContext(
         config=SimpleNamespace(kv_cache_block_size=BLOCK_SIZE), hf_config=cfg, dtype=dtype, device=torch.device("cpu")
@@ -111,11 +111,11 @@ def main() -> None:
         with torch.device("meta"):
             model = model_cls(cfg)
         mla_layers = [m for m in model.modules() if getattr(m, "attn_type", None) == "mla"]
-        mla = MLAMetadataBuilder(runner(cfg, dtype), mla_layers).compute_block_bytes()
+        mla = MLAMetadataBuilder(builder_context(cfg, dtype), mla_layers).compute_block_bytes()
         heads, qk = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         expanded = cfg.num_hidden_layers * BLOCK_SIZE * heads * (qk + cfg.v_head_dim) * dtype.itemsize
         mha_layers = [Attention(heads, qk, qk**-0.5, heads, i) for i in range(cfg.num_hidden_layers)]
-        mha = MHAMetadataBuilder(runner(cfg, dtype), mha_layers).compute_block_bytes()
+        mha = MHAMetadataBuilder(builder_context(cfg, dtype), mha_layers).compute_block_bytes()
         tokens = {k: budget // b * BLOCK_SIZE for k, b in (("mla", mla), ("expanded", expanded), ("mha", mha))}
         latent = f"{cfg.kv_lora_rank}+{cfg.qk_rope_head_dim}"
         print(f"\n{name}: {cfg.num_hidden_layers} layers, {heads} heads, latent {latent}")
