@@ -93,9 +93,7 @@ MODELS = {
 
 def builder_context(cfg, dtype: torch.dtype) -> BuilderContext:
     """What a builder is made from, as the model runner gives it."""
-    return BuilderContext(
-        config=SimpleNamespace(kv_cache_block_size=BLOCK_SIZE), hf_config=cfg, dtype=dtype, device=torch.device("cpu")
-    )
+    return BuilderContext.without_engine(cfg, dtype=dtype, block_size=BLOCK_SIZE)
 
 
 def main() -> None:

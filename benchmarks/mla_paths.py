@@ -43,9 +43,7 @@ def setup(heads, rank, rope, nope, v, dtype, ctx, q_lens, seed=0):
         left_pad_blocks=None,
         tkvs=None,
     )
-    context = BuilderContext(
-        config=SimpleNamespace(kv_cache_block_size=BS), hf_config=None, dtype=dtype, device=torch.device("cpu")
-    )
+    context = BuilderContext.without_engine(dtype=dtype, block_size=BS)
     meta = AttentionMetadataBuilder(context, []).build(batch)
     inputs = (
         torch.randn(total, heads, nope).to(dtype),

@@ -26,9 +26,7 @@ BS, KV_HEADS, HEADS, DIM, NUM_BLOCKS = 16, 2, 6, 8, 256
 def make_builder(dtype, impl_cls=TorchPagedAttention):
     if impl_cls is CpuPagedAttention:
         require_kernel(cpu_kernels.load())
-    context = BuilderContext(
-        config=SimpleNamespace(kv_cache_block_size=BS), hf_config=None, dtype=dtype, device=torch.device("cpu")
-    )
+    context = BuilderContext.without_engine(dtype=dtype, block_size=BS)
     layer = Attention(HEADS, DIM, DIM**-0.5, KV_HEADS, layer_id=0)
     builder = type("Builder", (MHAMetadataBuilder,), {"impl_cls": impl_cls})(context, [layer])
     builder.bind_pool(KVPoolPlan(num_blocks=NUM_BLOCKS, block_size=BS))

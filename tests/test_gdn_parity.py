@@ -148,8 +148,6 @@ def test_reused_state_group_leaks_nothing(tiny, oracle):
 def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
     """Shapes only (meta device): 12 full-attention layers take paged blocks, 36 GDN layers
     one conv state [8192, 3] and one recurrent state [32, 128, 128] each per request."""
-    from types import SimpleNamespace
-
     from transformers import Qwen3NextConfig
 
     from atom_attention.gdn.builder import GDNMetadataBuilder
@@ -165,10 +163,9 @@ def test_block_and_state_bytes_of_the_real_qwen3_next_80b_a3b():
     assert (len(layers["mha"]), len(layers["gdn"])) == (12, 36)
 
     def runner(state_dtype):
-        config = SimpleNamespace(
-            kv_cache_block_size=16, additional_config={"gdn_state_dtype": state_dtype}, enable_prefix_caching=False
+        return BuilderContext.without_engine(
+            cfg, dtype=torch.bfloat16, additional_config={"gdn_state_dtype": state_dtype}
         )
-        return BuilderContext(config=config, hf_config=cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
 
     mha = MHAMetadataBuilder(runner("float32"), layers["mha"])
     assert mha.compute_block_bytes() == 2 * 12 * 16 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16

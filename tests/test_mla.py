@@ -57,12 +57,7 @@ DEEPSEEK_V3 = dict(
 
 
 def builder_context(hf_config, dtype=torch.bfloat16, block_size=16):
-    return BuilderContext(
-        config=SimpleNamespace(kv_cache_block_size=block_size),
-        hf_config=hf_config,
-        dtype=dtype,
-        device=torch.device("cpu"),
-    )
+    return BuilderContext.without_engine(hf_config, dtype=dtype, block_size=block_size)
 
 
 def test_block_bytes_of_real_deepseek_v3_are_one_latent_row_per_token_and_layer():

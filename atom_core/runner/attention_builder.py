@@ -45,6 +45,15 @@ class BuilderContext:
     def block_size(self) -> int:
         return self.config.kv_cache_block_size
 
+    @classmethod
+    def without_engine(
+        cls, hf_config: Any = None, *, dtype: torch.dtype, block_size: int = 16, device: str = "cpu", **settings: Any
+    ) -> BuilderContext:
+        """A context for a builder made outside a model runner (tests, benchmarks): a default
+        `Config` with this block size and any other `settings`."""
+        config = Config(kv_cache_block_size=block_size, **settings)
+        return cls(config=config, hf_config=hf_config, device=torch.device(device), dtype=dtype)
+
 
 @attrs.define
 class KVCacheTensor:
