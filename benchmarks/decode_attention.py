@@ -76,8 +76,7 @@ def main() -> None:
         if other is None:
             raise SystemExit(f"{args.against} did not build (see the log line above)")
         engines["against"] = other.paged_attention
-    cpu = cpu_features()
-    print(f"{cpu.model} ({cpu.variant.name} kernels), {args.threads} threads, {args.dtype}, blocks of {BLOCK}")
+    print(f"{cpu_features().description()}; {args.threads} threads, {args.dtype}, blocks of {BLOCK}")
     columns = " | ".join(
         ["atom us", "torch us", "Atom over torch"] + (["against us", "Atom over against"] if args.against else [])
     )

@@ -33,6 +33,7 @@ from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
 from atom_core.layers.linear import Linear
+from atom_core.platform.cpu_features import cpu_features
 
 
 def timed(fn, totals: dict[str, float], key: str):
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--activation-bits", type=int, default=16, help="what 4-bit layers round x to (8 or 16)")
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     plain, totals = measure(args, graphs=False)
     graphed, graph_totals = measure(args, graphs=True)

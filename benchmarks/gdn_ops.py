@@ -19,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from atom_core.platform.cpu_features import cpu_features
+
 
 def bench(fn, warmup: int = 2, reps: int = 7, min_time: float = 0.2) -> float:
     """Median seconds per call."""
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

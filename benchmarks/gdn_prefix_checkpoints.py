@@ -22,6 +22,7 @@ import torch
 
 from atom_core import SamplingParams
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.platform.cpu_features import cpu_features
 
 
 def build_model(folder: Path, hidden: int, max_len: int) -> None:
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     max_len = 4096
     g = torch.Generator().manual_seed(1)

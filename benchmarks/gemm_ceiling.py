@@ -65,8 +65,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model_line = [line for line in open("/proc/cpuinfo") if line.startswith("model name")][:1]
-    print(f"CPU: {model_line[0].split(':', 1)[1].strip() if model_line else 'unknown'}, {args.threads} threads")
+    print(f"{cpu_features().description()}, {args.threads} threads")
     print(
         "| dtype | machine GEMM (GFLOP/s) | Atom's layer GEMMs (GFLOP/s) | share | prompt tokens/s at the machine rate | at Atom's |"
     )

@@ -134,7 +134,7 @@ def main() -> None:
         if gemv_ops(variant) is None:
             raise SystemExit(f"the {variant} build of the C++ kernels is unavailable (see the log line above)")
     copy = CopyBandwidth()
-    print(f"{cpu_features().model}, {args.threads} threads")
+    print(f"{cpu_features().description()}, {args.threads} threads")
     print(
         "| weights | rows | Atom's streaming kernel (GB/s) | copy around it (GB/s) | of copy | peer (GB/s) | Atom / peer |"
     )

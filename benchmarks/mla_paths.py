@@ -17,6 +17,7 @@ import torch
 from atom_attention import cpu_kernels
 from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 from atom_core.layers.mla import MLAAttention
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext
 
 BS = 16
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-only", action="store_true")
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     dims = dict(heads=args.heads, rank=512, rope=64, nope=128, v=128, dtype=dtype)

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from atom_core.platform.cpu_features import cpu_features
+
 TOKENS = (1, 8, 64, 512)
 
 
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=256)
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     config, hf, ours = build(args, dtype)

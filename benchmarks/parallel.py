@@ -32,7 +32,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(_REPO / "benchmarks")]
 
-from serve_vs_llamacpp import Server, cpu_name, free_port  # noqa: E402
+from serve_vs_llamacpp import Server, free_port  # noqa: E402
 
 SEQS = (1, 8, 32)
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 32, 128, 2048
@@ -158,10 +158,14 @@ def main() -> None:
                 for n, tps in serve(folder, dp, args.threads).items():
                     best_of[n] = max(best_of.get(n, 0.0), tps)
     tp1, tp2 = best(one), best(two)
+    from atom_core.platform.cpu_features import cpu_features
+
     if args.json:
-        print(json.dumps({"cpu": cpu_name(), "tp1": tp1, "tp2": tp2, "dp1": dp1, "dp2": dp2}, indent=1))
+        print(
+            json.dumps({"cpu": cpu_features().description(), "tp1": tp1, "tp2": tp2, "dp1": dp1, "dp2": dp2}, indent=1)
+        )
         return
-    print(f"{cpu_name()}, {args.threads} cores; best of {args.rounds} rounds")
+    print(f"{cpu_features().description()}, {args.threads} cores; best of {args.rounds} rounds")
     print(f"\nTensor parallel: 1 rank x {args.threads} threads vs 2 ranks x {max(1, args.threads // 2)} thread(s)")
     print(
         "| sequences | 1 rank tok/s | 2 ranks tok/s | ratio | collectives/step | ms in them/step | step ms (2 ranks) |"

@@ -15,13 +15,13 @@ and Atom over torch.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from atom_attention import cpu_kernels
+from atom_core.platform.cpu_features import cpu_features
 
 
 def best_of(fn, reps: int = 30) -> float:
@@ -57,8 +57,9 @@ def main() -> None:
     v64 = torch.randn(T, KVH, D, generator=gen, dtype=torch.float64)
     scale = D**-0.5
     macs = 2 * H * D * T * (T + 1) / 2
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
-          f"kernel variant {variant}, {args.threads} threads")  # fmt: skip
+    print(cpu_features().description())
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), kernel variant {variant}, "
+          f"{args.threads} threads")  # fmt: skip
     print(f"one layer, {T}-token prompt, {H} heads / {KVH} KV heads of {D}")
     print("| queries / cache | Atom ms | Atom GMAC/s | torch SDPA ms | Atom over torch |\n|---|---:|---:|---:|---:|")
     for name, qdt, cdt in [

@@ -39,6 +39,7 @@ import torch
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.platform.cpu_features import cpu_features
 
 CONFIGS = {
     "none-bf16": dict(quantization="none", dtype="bfloat16"),
@@ -157,6 +158,7 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="time the GEMMs alone per weight format, then stop")
     ap.add_argument("--kernel-rows", default="1,8", help="--kernels: rows of x, e.g. 1,8,32,512")
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     if args.kernels:
         kernel_times(tuple(int(r) for r in args.kernel_rows.split(",")))

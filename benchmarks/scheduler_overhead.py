@@ -24,6 +24,7 @@ import types
 from pathlib import Path
 
 from atom_core import Config, SamplingParams, ScheduledBatchOutput, Scheduler, Sequence, SequenceType
+from atom_core.platform.cpu_features import cpu_features
 
 PEERS = Path(__file__).parent / ".peers"
 
@@ -140,6 +141,7 @@ def main() -> None:
         "--policies", nargs="+", default=["prefill_first", "mixed"], help="the first is compared with the peer"
     )
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     data = prompts(args.seqs, args.context)
     print(
         f"decode step of {args.seqs} sequences with {args.context}-token contexts, block size {args.block_size}, "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -37,6 +36,7 @@ sys.path[:0] = [str(_REPO / "benchmarks"), str(_REPO / "tests")]
 from llamacpp_build import llama_cpp_commit, llama_server  # noqa: E402
 
 from atom_core.engine.fetch import default_model_gguf  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 from atom_core.serve.bench import bench_serve  # noqa: E402
 
 
@@ -44,15 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            flags = Path("/proc/cpuinfo").read_text()
-            isa = "AVX-512" if " avx512f" in flags else "AVX2"
-            return f"{line.split(':', 1)[1].strip()} ({isa})"
-    return platform.processor() or "unknown CPU"
 
 
 def cores(threads: int) -> list[str]:
@@ -167,7 +158,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({k: list(v.values()) for k, v in results.items() if v}, indent=2))
         return
-    print(f"{cpu_name()}, {args.threads} threads, llama.cpp {llama_cpp_commit()[:10]}, {args.rounds} round(s), "
+    print(f"{cpu_features().description()}, {args.threads} threads, llama.cpp {llama_cpp_commit()[:10]}, {args.rounds} round(s), "
           f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} out")  # fmt: skip
     print("| concurrency | engine | output tok/s | req/s | TTFT p50/p99 (ms) | TPOT p50/p99 (ms) | ITL p50/p99 (ms) |")
     print("|---:|---|---:|---:|---:|---:|---:|")

@@ -48,6 +48,7 @@ import torch
 from atom_core import RequestOutput, SamplingParams
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.platform.cpu_features import cpu_features
 
 POLICIES = ("prefill_first", "mixed", "spyre")
 SHORT_PROMPT = (32, 256)
@@ -278,6 +279,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     folder = str(fetch_default_model())
     vocab_size = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]

@@ -39,6 +39,7 @@ import torch
 
 from atom_core import SamplingParams
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.platform.cpu_features import cpu_features
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper climbed "
@@ -100,6 +101,7 @@ def main() -> None:
     )
     ap.add_argument("--quantization", default="auto", help="auto (the default model's Q4_1 weights), none, int8, int4")
     args = ap.parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
 
     spec = dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=2, prompt_lookup_max=4)

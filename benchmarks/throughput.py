@@ -43,6 +43,7 @@ import torch
 from atom_core import SamplingParams
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.platform.cpu_features import cpu_features
 
 VOCAB_RANGE = (100, 40000)  # ordinary (non-special) token ids of SmolLM2's vocabulary
 PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
@@ -315,6 +316,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 

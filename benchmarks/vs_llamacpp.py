@@ -59,6 +59,7 @@ from llamacpp_build import batched_bench, build_root, llama_cpp_commit  # noqa: 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 
 PP_TOKENS = 512
 VOCAB_RANGE = (100, 40000)  # ordinary (non-special) token ids of SmolLM2's vocabulary
@@ -290,6 +291,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
     binary = batched_bench()
     folder = fetch_default_model()

@@ -98,7 +98,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import selectors
 import shlex
 import signal
@@ -444,23 +443,8 @@ def _record(result: Result, name: str, speeds: Speeds, round_: int) -> None:
 
 
 def cpu_description() -> str:
-    """lscpu's model name, the ISA flags that matter here, torch's CPU capability."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        found = re.search(r"^Model name:\s*(.+)$", lscpu, re.MULTILINE)
-        model = found[1].strip() if found else "?"
-    except OSError:
-        model = "?"
-    flags: set[str] = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        found = re.search(r"^flags\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
-        flags = set(found[1].split()) if found else set()
-    isa = ", ".join(
-        f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "amx_bf16")
-    )
-    return (f"CPU: {model}, {os.cpu_count()} logical CPUs; {isa}; "
-            f"torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
+    """The host (`CpuFeatures.description`) and torch's CPU capability."""
+    return f"{cpu_features().description()}; torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:

@@ -64,6 +64,17 @@ def test_atom_cpu_isa_chooses_as_a_cpu_of_that_level_and_refuses_one_above():
         detect(ZEN3, isa="sse9", machine="x86_64")
 
 
+def test_the_description_names_the_cpus_own_flags_and_the_variant_atom_runs():
+    """A benchmark's report line: the flags as the CPU has them, the variant as capped."""
+    line = detect(ZEN5, isa="avx2", machine="x86_64").description()
+    assert "avx512f yes, avx512_bf16 yes" in line and "avx_vnni no" in line
+    assert line.endswith("Atom's kernels avx2 (ATOM_CPU_ISA=avx2)")
+    line = detect(ZEN3, isa="", machine="x86_64").description()
+    assert "avx2 yes, avx_vnni no, avx512f no" in line and line.endswith("Atom's kernels avx2")
+    line = detect(frozenset({"fp", "asimd"}), isa="", machine="aarch64").description()
+    assert "avx2" not in line and line.endswith("Atom's kernels portable")
+
+
 def test_variants_are_ordered_best_first():
     """No variant is listed after one whose features it has all of and more; AVX-512 ones come
     first (AVX-VNNI is a branch of its own: AVX-512 CPUs carry VNNI as avx512_vnni)."""

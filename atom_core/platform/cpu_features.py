@@ -125,6 +125,11 @@ def _cpuinfo(*keys: str) -> str:
         return ""
 
 
+# The x86 flags that decide which kernels Atom and its peers run, as a report names them.
+REPORTED_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "amx_bf16")
+X86 = ("x86_64", "AMD64")
+
+
 @attrs.frozen
 class CpuFeatures:
     """The CPU as Atom sees it: its flags (less those above `ATOM_CPU_ISA`), and the variant it runs."""
@@ -134,6 +139,7 @@ class CpuFeatures:
     flags: frozenset[str]  # as /proc/cpuinfo names them
     variant: Variant  # the best one these flags allow
     capped: bool  # ATOM_CPU_ISA chose a lower level than the CPU has
+    cpu_flags: frozenset[str]  # all the CPU's own flags, ATOM_CPU_ISA or not
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -146,13 +152,22 @@ class CpuFeatures:
         them without avx512bw/vl/dq or avx_ne_convert."""
         return {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
 
+    def description(self) -> str:
+        """The machine in one line, for a benchmark's report: the CPU's model and logical CPUs,
+        the x86 flags that decide the kernels as the CPU has them, and the variant Atom runs
+        (less under `ATOM_CPU_ISA`). Figures from different hosts do not compare: each names its own."""
+        flags = ", ".join(f"{f} {'yes' if f in self.cpu_flags else 'no'}" for f in REPORTED_FLAGS)
+        capped = f" ({ENV_ISA}={self.variant.name})" if self.capped else ""
+        return (f"CPU: {self.model}, {os.cpu_count()} logical CPUs"
+                f"{'; ' + flags if self.machine in X86 else ''}; Atom's kernels {self.variant.name}{capped}")  # fmt: skip
+
     def summary(self) -> str:
         level = self.variant.name + (f" ({ENV_ISA})" if self.capped else "")
         return f"{self.model}: kernels {level}; oneDNN bfloat16 {'yes' if self.onednn_bf16 else 'no'}"
 
 
 def _runnable(flags: frozenset[str], machine: str) -> list[Variant]:
-    x86 = machine in ("x86_64", "AMD64")
+    x86 = machine in X86
     return [v for v in VARIANTS if v.requires <= flags and (x86 or not v.cflags)]
 
 
@@ -175,9 +190,8 @@ def detect(flags: frozenset[str] | None = None, isa: str | None = None, machine:
         if wanted is not best:  # what a CPU of that level has: none of the better levels' features
             above = set().union(*(v.requires for v in VARIANTS))
             above |= {f for f in flags if f.startswith(("avx512", "amx")) or f == "avx_ne_convert"}
-            flags = flags - (above - wanted.requires)
-            return CpuFeatures(model, machine, flags, wanted, True)
-    return CpuFeatures(model, machine, flags, best, False)
+            return CpuFeatures(model, machine, flags - (above - wanted.requires), wanted, True, flags)
+    return CpuFeatures(model, machine, flags, best, False, flags)
 
 
 @functools.cache
