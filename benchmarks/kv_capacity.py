@@ -1,7 +1,7 @@
 """How many tokens a 10 GiB KV budget holds for DeepSeek-V3 and DeepSeek-V2-Lite: the "mla"
 builder's latent rows against the same model with expanded per-head K and V.
 
-Shapes only: the configs below are the models' config.json values, written inline (no hub
+Shapes only: the configs are the models' config.json values (tests/real_shapes.py; no hub
 access), and the models are built on the meta device (no weights). The MLA figure is the
 builder's own `compute_block_bytes()`; the expanded figures are (a) the exact per-head
 layout, K of qk_nope + qk_rope and V of v_head_dim, and (b) what Atom's MHA builder would
@@ -13,6 +13,8 @@ allocate, which keeps K and V at one head size (V padded to qk_head_dim).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -23,68 +25,10 @@ from atom_core.layers import Attention
 from atom_core.runner.attention_builder import BuilderContext
 from atom_models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
-BLOCK_SIZE = 16
-YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from real_shapes import DEEPSEEK_V2_LITE, DEEPSEEK_V3  # noqa: E402
 
-DEEPSEEK_V3 = dict(  # deepseek-ai/DeepSeek-V3
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=1536,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    n_group=8,
-    topk_group=4,
-    num_experts_per_tok=8,
-    first_k_dense_replace=3,
-    moe_layer_freq=1,
-    norm_topk_prob=True,
-    max_position_embeddings=163840,
-    rms_norm_eps=1e-6,
-    rope_theta=10000,
-    rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
-    tie_word_embeddings=False,
-)
-DEEPSEEK_V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite
-    architectures=["DeepseekV2ForCausalLM"],
-    vocab_size=102400,
-    hidden_size=2048,
-    intermediate_size=10944,
-    moe_intermediate_size=1408,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    n_shared_experts=2,
-    n_routed_experts=64,
-    routed_scaling_factor=1.0,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    topk_method="greedy",
-    n_group=1,
-    topk_group=1,
-    num_experts_per_tok=6,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    norm_topk_prob=False,
-    max_position_embeddings=163840,
-    rms_norm_eps=1e-6,
-    rope_theta=10000,
-    rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707),
-    tie_word_embeddings=False,
-)
+BLOCK_SIZE = 16
 MODELS = {
     "DeepSeek-V3": (DEEPSEEK_V3, DeepseekV3ForCausalLM),
     "DeepSeek-V2-Lite": (DEEPSEEK_V2_LITE, DeepseekV2ForCausalLM),

@@ -12,48 +12,11 @@ torch = pytest.importorskip("torch")
 
 from conftest import KERNEL_VARIANTS, require_kernel  # noqa: E402
 from model_utils import build_tiny_model, random_prompts, run_with_logits  # noqa: E402
+from real_shapes import DEEPSEEK_V3  # noqa: E402
 
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers.mla import MLAAttention  # noqa: E402
 from atom_core.runner.attention_builder import AttentionMetadataBuilder, BuilderContext  # noqa: E402
-
-# DeepSeek-V3 (671B) config.json, shapes only.
-DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=1536,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    n_group=8,
-    topk_group=4,
-    num_experts_per_tok=8,
-    first_k_dense_replace=3,
-    norm_topk_prob=True,
-    max_position_embeddings=163840,
-    rms_norm_eps=1e-6,
-    rope_theta=10000,
-    rope_scaling=dict(
-        type="yarn",
-        factor=40,
-        original_max_position_embeddings=4096,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-        beta_fast=32,
-        beta_slow=1,
-    ),
-    tie_word_embeddings=False,
-)
 
 
 def builder_context(hf_config, dtype=torch.bfloat16, block_size=16):
