@@ -95,7 +95,7 @@ def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder
     "config",
     [
         dict(dtype="bfloat16"),
-        dict(dtype="float16"),  # torch's GEMMs (aten.mm.out at a replay)
+        dict(dtype="float16"),  # the GEMV's float16 tiles, widened as loaded
         dict(quantization="int4"),
         dict(quantization="int4", activation_bits=8),
         dict(quantization="int8"),
@@ -104,7 +104,7 @@ def test_replayed_steps_give_the_tokens_and_logits_of_the_plain_path(tiny_folder
     ids=["bf16", "fp16", "int4", "int4-a8", "int8", "kv-bf16"],
 )
 def test_replayed_steps_in_every_precision(tiny_folder, config):
-    """bfloat16 (the GEMV's bfloat16 tiles), the 4- and 8-bit group kernels, a narrow KV cache."""
+    """bfloat16 and float16 (the GEMV's 16-bit tiles), the 4- and 8-bit group kernels, a narrow KV cache."""
     require_kernel(cpu_ops())  # MHA's decode graphs need the C++ attention kernel
     folder = tiny_folder("llama")
     plain, graphed = run(folder, 0, **config), run(folder, 8, **config)
@@ -132,16 +132,22 @@ def test_a_kernel_called_past_launch_is_caught_before_a_replay_answers(tiny_fold
     assert any("differed from the eager step" in r.getMessage() for r in caplog.records)
 
 
-def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(tiny_folder, caplog, monkeypatch):
-    """MoE experts on the torch path (oneDNN's micro-kernel off) loop over their token counts in
-    Python: recording refuses, and every step from then on runs eagerly, with the plain path's tokens."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
+def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(family, tiny_folder, caplog, monkeypatch):
+    """MoE experts on the torch path (oneDNN's micro-kernel off, as float16 experts and AVX2's
+    bfloat16 ones take) loop over their token counts in Python: recording refuses, and every
+    step from then on runs eagerly, with the plain path's tokens and logits. Qwen3-Next's GDN
+    layers before the first MoE layer have advanced their state by then: it is put back
+    before the eager run, or that step would advance it twice."""
     require_kernel(cpu_ops())
     monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")
-    folder = tiny_folder("mixtral")
+    folder = tiny_folder(family)
     plain = run(folder, 0)
     with caplog.at_level(logging.WARNING, logger="atom"):
         graphed = run(folder, 8)
     assert graphed["tokens"] == plain["tokens"]
+    for a, b in zip(plain["logits"], graphed["logits"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
     graphs = graphed["engine"].runner.run_model
     assert isinstance(graphs, DecodeGraphs) and graphs.max_size == 0 and graphs.replays == 0
     assert list(graphs.graphs.values()) == [None]  # one attempt, not one per row count

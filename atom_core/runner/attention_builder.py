@@ -205,9 +205,10 @@ class AttentionMetadataBuilder:
         return True
 
     def snapshot_state(self, meta: AttentionMetadata) -> Callable[[], None] | None:
-        """Called before a decode graph's first replay, which the same step's eager run then
-        checks: what puts back the state that step advances in place (a per-request
-        recurrence's rows), so that the eager run starts where the replay did. None: a step
+        """Called before a decode graph is recorded and before its first replay, each of
+        which the same step's eager run may follow (a recording that fails part way; the check
+        of a replay): what puts back the state that step advances in place (a per-request
+        recurrence's rows), so that the eager run starts where the other did. None: a step
         rewrites only what it reads anew (paged KV)."""
         return None
 

@@ -147,17 +147,25 @@ class DecodeGraphs:
         if graph.checked:
             self.replays += 1
             return graph.replay()
-        restores = [self.builders[kind].snapshot_state(meta) for kind, meta in metas.items()]
+        restores = self._snapshot(metas)
         replayed = graph.replay().clone()
-        for restore in restores:  # the state the replay advanced, back for the eager run
-            if restore is not None:
-                restore()
+        self._restore(restores)  # the state the replay advanced, back for the eager run
         eager = self.model(input_ids, positions)
         if torch.equal(replayed, eager):
             graph.checked = True
         else:
             self._off(n, "the decode graph of %d rows differed from the eager step (a kernel called past `launch`?)")
         return eager
+
+    def _snapshot(self, metas: dict[str, AttentionMetadata]) -> list[Callable[[], None] | None]:
+        """What puts back the state this step's rows advance in place (`snapshot_state`)."""
+        return [self.builders[kind].snapshot_state(meta) for kind, meta in metas.items()]
+
+    @staticmethod
+    def _restore(restores: list[Callable[[], None] | None]) -> None:
+        for restore in restores:
+            if restore is not None:
+                restore()
 
     def _off(self, n: int, why: str) -> None:
         """Every step eagerly from now on: what failed at one row count is the model's forward."""
@@ -168,10 +176,14 @@ class DecodeGraphs:
                  metas: dict[str, AttentionMetadata]) -> torch.Tensor:  # fmt: skip
         for meta in metas.values():
             _widen_block_tables(meta, self.max_blocks)
+        restores = self._snapshot(metas)
         try:
             with record() as recorder:
                 output = self.model(input_ids, positions)
         except CaptureUnsupported as e:
+            # the layers before the one that could not be recorded have run: put back the state
+            # they advanced in place (a GDN layer's), or the eager run would advance it twice
+            self._restore(restores)
             self._off(n, f"a decode step of %d rows cannot be recorded ({e})")
             return self.model(input_ids, positions)
         self.graphs[n] = StepGraph(recorder.calls, (input_ids, positions), dict(metas), output)
