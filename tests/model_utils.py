@@ -13,7 +13,7 @@ from atom_core import SamplingParams
 # bf16_routing_flips: top-k routing is discrete, so bf16 rounding can flip a near-tied expert
 # and move the logits by up to 0.35, in transformers' own bf16 model as much as in Atom's, and
 # not at the same tokens. A bf16 logits row then passes when it is close to transformers'
-# float32 or bfloat16 model (`bf16_references`, `assert_bf16_close`).
+# float32 or bfloat16 model (`half_references`, `assert_half_close`).
 DEEPSEEK_SHAPES = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
@@ -487,14 +487,14 @@ def run_with_logits(engine, prompts, max_tokens: int | list[int] = NEW_TOKENS):
     return [results[i] for i in ids], [torch.stack(logits[i]) for i in ids]
 
 
-def bf16_references(name: str, model) -> list:
-    """The transformers models whose logits a bf16 Atom run may match (see `bf16_routing_flips`)."""
+def half_references(name: str, model, dtype: torch.dtype = torch.bfloat16) -> list:
+    """The transformers models whose logits a 16-bit Atom run may match (see `bf16_routing_flips`)."""
     if ARCHS[name].get("bf16_routing_flips"):
-        return [model, copy.deepcopy(model).to(torch.bfloat16)]
+        return [model, copy.deepcopy(model).to(dtype)]
     return [model]
 
 
-def assert_bf16_close(steps: torch.Tensor, tokens: list[int], first: int, references: list) -> None:
+def assert_half_close(steps: torch.Tensor, tokens: list[int], first: int, references: list) -> None:
     """Each row of `steps` (logits at positions first.. of `tokens`) close to some reference's row."""
     refs = [hf_logits(m, tokens)[first:] for m in references]
     assert all(steps.shape == r.shape for r in refs)
@@ -527,7 +527,8 @@ def make_gdn_engine(folder, **config):
 
     config.setdefault("num_kvcache_blocks", 96)
     config.setdefault("max_model_len", 512)
-    engine = LLMEngine(folder, dtype="float32", **config)
+    config.setdefault("dtype", "float32")
+    engine = LLMEngine(folder, **config)
     for t in engine.runner.per_req_cache_tensors.values():
         t.fill_(float("nan"))
     # The null block past the pool stays zero.

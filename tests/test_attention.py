@@ -83,7 +83,7 @@ def reference(k_cache, v_cache, scale, q, tables, context_lens):
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("context_lens", [[2, 17, 300, 16, 33, 5, 128, 129, 2], [40, 2, 250], [16] * 6])
 def test_prefill_then_decode_matches_reference(context_lens, dtype, impl_cls):
     gen = torch.Generator().manual_seed(len(context_lens))
@@ -156,8 +156,8 @@ def test_cpu_kernel_builds_where_a_compiler_is():
 @pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (64, 2, 5), (128, 2, 3), (128, 1, 4), (96, 2, 2)])
 def test_cpu_kernel_vector_paths_match_reference(dtype, dim, kv_heads, group, kernel_variant):
     """Head dims 64 and 128 take the vector paths (several query heads per pass over a row;
-    groups above a pass's capacity take two; AVX2's 16 registers hold fewer), others and
-    float16 the generic loop, in each variant this host runs."""
+    groups above a pass's capacity take two; AVX2's 16 registers hold fewer), in float32,
+    bfloat16 and float16 (widened as loaded); others the generic loop, in each variant this host runs."""
     ops = require_kernel(cpu_kernels.load(kernel_variant))
     gen = torch.Generator().manual_seed(dim + group)
     bs, nblocks = 16, 64
@@ -200,8 +200,8 @@ def causal_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale):
 def test_cpu_kernel_tiles_long_query_runs(dtype, dim, kv_heads, group, kernel_variant):
     """Prompt chunks (more than a few new tokens) take the tiled path, over a cached prefix or
     none, with a decode row and a short run in the same call; unwritten slots hold NaN.
-    Head dims 64, 128 and 576 (MLA's latent) tile in float32 and bfloat16; float16 and 96
-    take the per-token loop, in each variant this host runs."""
+    Head dims 64, 128 and 576 (MLA's latent) tile in float32, bfloat16 and float16; 96 takes
+    the per-token loop, in each variant this host runs."""
     ops = require_kernel(cpu_kernels.load(kernel_variant))
     gen = torch.Generator().manual_seed(dim * group)
     bs, nblocks = 16, 96
@@ -314,12 +314,12 @@ def check_kernel_options(variant, dtype, dim, kv_heads, group, window, softcap, 
         q, k_cache, v_cache, padded, torch.tensor(context_lens), starts, dim**-0.5, window or 0, softcap or 0.0, sink
     )
     ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5, window, softcap, sink)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     return q, k_cache, v_cache, tables, starts, ref, tol, sink
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,kv_heads,group", [(64, 2, 3), (128, 1, 4), (96, 2, 2)])
 @pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (None, 20.0, False), (None, None, True),
                                                   (5, 30.0, True), (128, None, True)])  # fmt: skip
@@ -340,19 +340,21 @@ def test_cpu_kernel_windows_sinks_and_softcaps(dtype, dim, kv_heads, group, wind
         torch.testing.assert_close(got.double(), ref[starts[i] : starts[i + 1]], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("window,softcap,sinks", [(24, None, False), (5, 30.0, True), (None, None, True)])
-def test_float32_queries_over_a_bfloat16_cache_keep_windows_sinks_and_softcaps(
-    dim, window, softcap, sinks, kernel_variant
+def test_float32_queries_over_a_16_bit_cache_keep_windows_sinks_and_softcaps(
+    cache_dtype, dim, window, softcap, sinks, kernel_variant
 ):
-    """`kv_cache_dtype="bfloat16"` under a float32 model: prompt chunks (bfloat16 pairs on
-    avx512_bf16, queries rounded) and decode rows (the cache widened) honour a sliding window,
-    soft-capped scores and sinks as float32 queries over a float32 cache do."""
+    """`kv_cache_dtype="bfloat16"` or `"float16"` under a float32 model: prompt chunks
+    (bfloat16 pairs on avx512_bf16, queries rounded; float16 widened) and decode rows (the
+    cache widened) honour a sliding window, soft-capped scores and sinks as float32 queries
+    over a float32 cache do."""
     ops = require_kernel(cpu_kernels.load(kernel_variant))
     gen = torch.Generator().manual_seed(dim + (window or 0))
     kv_heads, group, bs, nblocks = 2, 3, 16, 96
     context_lens, num_new = [300, 40, 100, 1, 70], [300, 33, 20, 1, 3]
-    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, torch.bfloat16, gen, bs, nblocks)
+    tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, cache_dtype, gen, bs, nblocks)
     heads = kv_heads * group
     sink = torch.randn(heads, generator=gen) * 2 if sinks else None
     q = torch.randn(sum(num_new), heads, dim, generator=gen) * 2
@@ -366,13 +368,13 @@ def test_float32_queries_over_a_bfloat16_cache_keep_windows_sinks_and_softcaps(
     wide = ops.paged_attention(q, k_cache.float(), v_cache.float(), *args)
     decode = starts[3]  # request 3's single row
     assert torch.equal(out[decode], wide[decode])
-    if kernel_variant == "avx512_bf16":  # the prompt chunks' pairs: bfloat16 queries' sums
+    if cache_dtype == torch.bfloat16 and kernel_variant == "avx512_bf16":  # the chunks' pairs: bfloat16 queries' sums
         chunks = slice(0, int(starts[3]))
         narrow = ops.paged_attention(q.bfloat16(), k_cache, v_cache, *args)
         assert torch.equal(out[chunks].bfloat16(), narrow[chunks])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (576, 1, 5), (96, 2, 2)])
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (700, 30.0, True), (1100, None, True)])
 def test_cpu_kernel_splits_long_decode_queries_into_parts(dtype, dim, kv_heads, group, window, softcap, sinks,

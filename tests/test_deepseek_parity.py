@@ -150,17 +150,18 @@ def test_preemption_with_chunked_prompts_under_every_policy(tiny, policy):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_bfloat16_logits_stay_close(tiny, tmp_path, monkeypatch):
-    """The MLA path in bf16 against transformers in bf16, all layers dense: top-k routing flips
-    near-tied experts under bf16 rounding (0.3-0.6 logit jumps in transformers' own bf16 vs
-    float32), which would measure the router's luck, not the attention."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_logits_stay_close(tiny, dtype, tmp_path, monkeypatch):
+    """The MLA path in bf16 (or float16) against transformers in the same dtype, all layers
+    dense: top-k routing flips near-tied experts under bf16 rounding (0.3-0.6 logit jumps in
+    transformers' own bf16 vs float32), which would measure the router's luck, not the attention."""
     folder, model, _ = tiny
     name = next(n for n in MLA_ARCHS if folder.name.startswith(n))
     spec = ARCHS[name]
     monkeypatch.setitem(ARCHS, "dense", {**spec, "kwargs": {**spec["kwargs"], "first_k_dense_replace": 3}})
-    reference = build_tiny_model("dense", tmp_path).to(torch.bfloat16)
-    engine = make_engine(tmp_path, 64, max_model_len=256, dtype="bfloat16")
-    assert engine.runner.kv_cache_tensors["mla_kv_cache"].dtype == torch.bfloat16
+    reference = build_tiny_model("dense", tmp_path).to(getattr(torch, dtype))
+    engine = make_engine(tmp_path, 64, max_model_len=256, dtype=dtype)
+    assert engine.runner.kv_cache_tensors["mla_kv_cache"].dtype == getattr(torch, dtype)
     prompts = random_prompts((1, 17, 40))
     results, logits = run_with_logits(engine, prompts, max_tokens=4)
     for prompt, result, steps in zip(prompts, results, logits):

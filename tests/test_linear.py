@@ -15,6 +15,15 @@ from atom_core.layers.gemm import StreamingGemm, gemv_ops, gemv_weight  # noqa: 
 from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding  # noqa: E402
 from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 
+# (weights, activations): each 16-bit dtype against itself and against float32 rows
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.float16, torch.float32),
+]
+
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
@@ -74,8 +83,7 @@ def test_disabled_onednn_keeps_plain_weight(monkeypatch):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
-@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("wdtype,xdtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_streaming_gemv_against_float64(wdtype, xdtype, bias, kernel_variant):
     """Every row count of a decode step and GEMM-sized ones (64, 700: the every-row path of
@@ -93,13 +101,14 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias, kernel_variant):
             out = gemm(x, None, b)
             assert out.dtype == xdtype and out.shape == (rows, n)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
-            # float32: summation order only; bfloat16 output: one rounding of the float32 sum
-            tol = dict(atol=1e-5, rtol=1e-5) if xdtype == torch.float32 else dict(atol=1e-2, rtol=2**-8)
+            # float32: summation order only; 16-bit output: one rounding of the float32 sum
+            # (float16 keeps 11 bits, bfloat16 8)
+            rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}[xdtype]
+            tol = dict(atol=1e-5 if xdtype == torch.float32 else 1e-2, rtol=rounding)
             torch.testing.assert_close(out.double(), expected, **tol)
 
 
-@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("wdtype,xdtype", DTYPE_PAIRS)
 def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype, kernel_variant):
     """Bit for bit: a row's output does not depend on how many rows share the call (up to 70:
     rows in several passes and chunks), and a column's not on which other columns are computed
@@ -126,15 +135,17 @@ def test_streaming_gemv_refuses_what_it_cannot_take(kernel_variant):
     w = gemv_weight(torch.randn(4, 16), int(ops.TILE))
     with pytest.raises(RuntimeError, match=r"takes x \[M, K\]"):
         ops.gemv(torch.randn(2, 9, 16), w, 4, None)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.gemv(torch.randn(1, 16), w.half(), 4, None)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, not Double"):
+        ops.gemv(torch.randn(1, 16), w.double(), 4, None)
+    with pytest.raises(RuntimeError, match="activations are float32, bfloat16 or float16, not Int"):
+        ops.gemv(torch.ones(1, 16, dtype=torch.int32), w, 4, None)
     with pytest.raises(RuntimeError, match="tiled layout"):  # a plain [N, K] weight
         ops.gemv(torch.randn(1, 16), torch.randn(4, 16), 4, None)
     with pytest.raises(RuntimeError, match="tiled layout"):  # N past the tiles
         ops.gemv(torch.randn(1, 16), w, 33, None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype, kernel_variant):
     """Rows as `nn.Embedding` gives them (odd K: bfloat16 pads its pairs; N past a tile);
     an id outside the table fails by name instead of reading padding or wrapping around."""
@@ -151,12 +162,13 @@ def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype, kernel_v
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
     """Up to MAX_ROWS rows go to the streaming kernel, more to packed oneDNN; both agree.
-    bfloat16 where oneDNN has no bfloat16 kernels: the streaming kernel at every row count."""
+    bfloat16 where oneDNN has no bfloat16 kernels, and float16 (oneDNN's float16 GEMM needs
+    AVX512-FP16): the streaming kernel at every row count."""
     require_kernel(gemv_ops())
-    every_row = dtype == torch.bfloat16 and not cpu_features().onednn_bf16
+    every_row = dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_features().onednn_bf16)
     layer = loaded(Linear(96, 80, bias=True), dtype)
     weight, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.process_weights_after_loading()

@@ -10,9 +10,9 @@ from conftest import record_preemptions  # noqa: E402
 from model_utils import (  # noqa: E402
     ARCHS,
     NEW_TOKENS,
-    assert_bf16_close,
-    bf16_references,
+    assert_half_close,
     check_against_hf,
+    half_references,
     hf_greedy,
     random_prompts,
     run_with_logits,
@@ -21,6 +21,8 @@ from model_utils import (  # noqa: E402
 
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
+from atom_core.layers.gemm import StreamingGemm, gemv_ops  # noqa: E402
+from atom_core.layers.linear import Linear  # noqa: E402
 
 PROMPT_LENS = (1, 15, 16, 17, 40)  # around the 16-token block edges
 
@@ -88,15 +90,22 @@ def test_preemption_mid_generation_matches_transformers(tiny):
     assert engine.scheduler.block_manager.num_free_blocks == 8
 
 
-def test_bfloat16_logits_stay_close(tiny, request):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_logits_stay_close(tiny, dtype, request):
+    """bfloat16 and float16 weights and activations, on whichever path this CPU gives them
+    (float16 and AVX2's bfloat16: the streaming kernel widening the weights at every row
+    count), against transformers' float32 model."""
     folder, model = tiny
-    references = bf16_references(request.node.callspec.params["tiny"], model)
-    engine = LLMEngine(folder, dtype="bfloat16", num_kvcache_blocks=64, max_model_len=256)
-    assert engine.runner.model.model.embed_tokens(torch.tensor([0])).dtype == torch.bfloat16
-    prompts = random_prompts(PROMPT_LENS)
+    references = half_references(request.node.callspec.params["tiny"], model, getattr(torch, dtype))
+    engine = LLMEngine(folder, dtype=dtype, num_kvcache_blocks=64, max_model_len=256)
+    assert engine.runner.model.model.embed_tokens(torch.tensor([0])).dtype == getattr(torch, dtype)
+    if dtype == "float16" and gemv_ops() is not None:  # not torch's float16 GEMM (a twentieth of the rate)
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+        assert linears and all(isinstance(m.gemm, StreamingGemm) and m.gemm.every_row for m in linears)
+    prompts = random_prompts(PROMPT_LENS + (70,))  # a prompt past the streaming kernel's 64-row chunks
     results, logits = run_with_logits(engine, prompts, max_tokens=4)
     for prompt, result, steps in zip(prompts, results, logits):
-        assert_bf16_close(steps, prompt + result["token_ids"][:-1], len(prompt) - 1, references)
+        assert_half_close(steps, prompt + result["token_ids"][:-1], len(prompt) - 1, references)
 
 
 def test_chunked_prefill_prefix_caching_and_preemption_match_transformers(tiny):

@@ -231,7 +231,8 @@ __attribute__((noinline)) void VecRows<T, D>::accumulate_sliced(const float* p, 
 }
 
 template <typename T, int D>
-constexpr bool kVectorized = D > 0 && D % L == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+constexpr bool kVectorized = D > 0 && D % L == 0 &&
+                             (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>);
 template <typename T, int D>
 using Rows = std::conditional_t<kVectorized<T, D>, VecRows<T, D>, GenericRows<T>>;
 
@@ -916,12 +917,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       case at::kBFloat16:
         dispatch_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
         break;
-      default: attention_impl<c10::Half, c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
+      default: dispatch_dim<c10::Half, c10::Half>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
     }
   } else if (ct == at::kBFloat16) {  // float32 queries
     dispatch_dim<float, c10::BFloat16>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
   } else {
-    attention_impl<float, c10::Half, 0>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
+    dispatch_dim<float, c10::Half>(q, k_cache, v_cache, tables, lens, starts, scale, opt, out);
   }
   return out;
 }

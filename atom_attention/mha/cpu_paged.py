@@ -3,7 +3,7 @@
 Every row reads K/V where they lie in the pool: no gather, no padding, float32
 accumulation. The kernel walks a request with a few new tokens (decode, drafts to verify)
 one token at a time, and tiles a long run of them (a prompt chunk) where it has a vector
-path for the head dim and dtype (`ops.TILED_HEAD_DIMS`, float32 and bfloat16); elsewhere
+path for the head dim and dtype (`ops.TILED_HEAD_DIMS`; float32, bfloat16, float16); elsewhere
 long runs keep torch's fused attention (`TorchPagedAttention.varlen`), which beats walking
 the keys once per token. A mixed step splits at the first long row: decode rows come first
 in every batch.
@@ -22,7 +22,7 @@ from atom_core.plugin_api import AttentionMetadata
 # Up to this many new tokens a request, the kernel walks the keys once per token (as in
 # csrc/, kShortQuery); longer runs are tiled, or go to torch's fused attention.
 KERNEL_MAX_QUERY_LEN = 8
-TILED_DTYPES = (torch.float32, torch.bfloat16)
+TILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuPagedAttention(TorchPagedAttention):

@@ -153,19 +153,21 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     (`cpu_features().onednn_bf16`; off with ATOM_DISABLE_ONEDNN=1), with the streaming
     kernel for decode-sized row counts unless `streaming` is False (MoE experts, whose rows
     per expert vary and whose plain copies would double the biggest weights). bfloat16
-    without oneDNN's kernels (CPUs without AVX-512) keeps its weights in bfloat16 and runs
-    the streaming kernel at every row count, widening them as it goes. `F.linear` on the
-    plain weight elsewhere.
+    without oneDNN's kernels (CPUs without AVX-512), and float16 (which oneDNN runs only on
+    CPUs with AVX512-FP16 or AMX-FP16, and torch's own kernel at a twentieth of bfloat16's
+    rate), keep their weights in 16 bits and run the streaming kernel at every row count,
+    widening them as it goes. `F.linear` on the plain weight elsewhere.
     """
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return F.linear, weight
     onednn = torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
-    if onednn and (weight.dtype == torch.float32 or cpu_features().onednn_bf16):
+    if onednn and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_features().onednn_bf16)):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         ops = gemv_ops() if streaming else None
         return (_onednn_linear if ops is None else StreamingGemm(weight, ops)), packed
-    if onednn and (ops := gemv_ops()) is not None:  # bfloat16 where oneDNN has no kernel for it
+    sixteen = weight.dtype == torch.float16 or (onednn and weight.dtype == torch.bfloat16)
+    if sixteen and (ops := gemv_ops()) is not None:  # 16-bit weights where oneDNN has no kernel for them
         gemm = StreamingGemm(weight, ops, every_row=True)
         return gemm, gemm.tiled
     return F.linear, weight

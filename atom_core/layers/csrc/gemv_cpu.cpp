@@ -67,19 +67,24 @@ constexpr int64_t CHUNK_ROWS = 64;
 // at 6-8 rows (in fast spells) and level at 1-2.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
+// A step of BYTES in a tile's stream (float32: a k's row; bfloat16: a pair's; float16: a k's,
+// half a line with AVX2, whose steps prefetch on the line's first half).
+template <int64_t BYTES = TILE * 4>
 inline void prefetch_step(const void* p) {
   const char* c = static_cast<const char*>(p) + PREFETCH_BYTES;
-  for (int64_t off = 0; off < TILE * 4; off += 64) simd::prefetch_stream(c + off);
+  if (BYTES < 64 && reinterpret_cast<uintptr_t>(p) % 64 != 0) return;
+  for (int64_t off = 0; off < BYTES; off += 64) simd::prefetch_stream(c + off);
 }
 
 // One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
-// outputs L h .. L h + L - 1 of row m.
+// outputs L h .. L h + L - 1 of row m. Weights float32, or float16 widened exactly (F16C)
+// as they are loaded: the same products and sums as float32 weights of the same values.
 // kStream: w is read from memory (prefetched ahead), not a scratch tile already in cache.
-template <int M, bool kStream = true>
-inline void tile_f32(const float* x, int64_t K, const float* w, vf (&acc)[2][M]) {
+template <int M, bool kStream = true, typename W>
+inline void tile_f32(const float* x, int64_t K, const W* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * TILE;
-    if constexpr (kStream) prefetch_step(wk);
+    const W* wk = w + k * TILE;
+    if constexpr (kStream) prefetch_step<TILE * sizeof(W)>(wk);
     const vf w0 = simd::load(wk), w1 = simd::load(wk + L);
     UNROLL for (int m = 0; m < M; ++m) {
       const vf xv = simd::set1(x[m * K + k]);
@@ -105,10 +110,19 @@ inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, vf 
   }
 }
 
-// A bfloat16 tile widened (exactly) into the float32 tile layout [K][TILE], for `tile_f32`
-// over many rows: every pass of `tile_bf16_f32` widens the tile again, and with AVX2's four
-// rows a pass those shifts and ands take issue slots from the FMAs. tile_f32 over the widened
-// tile adds the same products in the same order (k, then k + 1), so the sums are the same bits.
+// A bfloat16 or float16 tile widened (exactly) into the float32 tile layout [K][TILE], for
+// `tile_f32` over many rows: every pass of `tile_bf16_f32` widens the tile again, and with
+// AVX2's four rows a pass those shifts and ands take issue slots from the FMAs. tile_f32 over
+// the widened tile adds the same products in the same order (k, then k + 1), so the sums are
+// the same bits.
+inline void widen_tile(const c10::Half* w, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    const c10::Half* wk = w + k * TILE;
+    prefetch_step<TILE * 2>(wk);
+    UNROLL for (int h = 0; h < 2; ++h) simd::store(out + k * TILE + L * h, simd::load(wk + L * h));
+  }
+}
+
 inline void widen_tile(const c10::BFloat16* w, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* wk = w + k * TILE;
@@ -149,7 +163,7 @@ inline void one_tile(const X* x, int64_t K, const W* wt, int64_t N, const float*
   vf acc[2][M];
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
-  if constexpr (std::is_same_v<W, float>) tile_f32<M, kStream>(x, K, wt, acc);
+  if constexpr (!std::is_same_v<W, c10::BFloat16>) tile_f32<M, kStream>(x, K, wt, acc);
   else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
 #if defined(__AVX512BF16__)
   else tile_bf16<M>(x, K, wt, acc);
@@ -183,11 +197,11 @@ void rows_tile(int rows, const X* x, int64_t K, const W* wt, int64_t N, const fl
 // Every row of x against every tile. Each thread takes a contiguous run of tiles (a long
 // sequential stream), at least two; within it, chunks of rows, and within a chunk each tile
 // in passes of up to ROWS rows (the first pass reads the tile from memory, the others from cache).
-// bfloat16 weights against float32 rows, a prompt's many rows: a chunk that takes more than
+// 16-bit weights against float32 rows, a prompt's many rows: a chunk that takes more than
 // one pass widens the tile once (`widen_tile`) and every pass reads the float32 copy.
 template <typename W, typename X, typename T>
 void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
-  constexpr bool kWidens = std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, float>;
+  constexpr bool kWidens = !std::is_same_v<W, float> && std::is_same_v<X, float>;
   // Prompt-sized calls only: at decode sizes (up to a chunk's rows) the tile comes from memory
   // for two to eight passes, and the widened copy's stores and reloads cost more than the
   // shifts they save (docs/performance.md has the figures).
@@ -225,16 +239,17 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
 // benchmarks/decode_profile.py --batch 32).
 constexpr int64_t MAX_ROWS = 64;
 
-// y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 [ceil(N / TILE), K,
-// TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
+// y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 and float16
+// [ceil(N / TILE), K, TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2, "gemv takes x [M, K], got ", x.sizes());
   TORCH_CHECK(w.is_contiguous(), "gemv weight must be contiguous");
   const auto wt = w.scalar_type(), xt = x.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "gemv weights are float32 or bfloat16, not ", wt);
-  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "gemv activations are float32 or bfloat16, not ", xt);
+  auto floating = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
+  TORCH_CHECK(floating(wt), "gemv weights are float32, bfloat16 or float16, not ", wt);
+  TORCH_CHECK(floating(xt), "gemv activations are float32, bfloat16 or float16, not ", xt);
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + TILE - 1) / TILE;
   const bool pairs = wt == at::kBFloat16;
   const int64_t Kp = pairs ? K + K % 2 : K;
@@ -263,10 +278,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
   const float* xp = xf.data_ptr<float>();
   auto run = [&](auto* wp) {
     if (xt == at::kFloat) gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<float>());
-    else gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
+    else if (xt == at::kBFloat16) gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<c10::BFloat16>());
+    else gemm_impl(xp, M, Kp, wp, N, bp, y.data_ptr<c10::Half>());
   };
   if (wt == at::kFloat) run(w.data_ptr<float>());
-  else run(w.data_ptr<c10::BFloat16>());
+  else if (wt == at::kBFloat16) run(w.data_ptr<c10::BFloat16>());
+  else run(w.data_ptr<c10::Half>());
   return y;
 }
 
