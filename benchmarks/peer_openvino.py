@@ -31,7 +31,7 @@ from peer_protocol import ISAS, PEER_ISA, serve  # noqa: E402
 
 # INFERENCE_PRECISION_HINT per precision; None leaves the CPU plugin's default (bf16 on CPUs
 # with AVX512_BF16 or AMX, else f32), what a user of an int4 export gets.
-PRECISION_HINTS = {"f32": "f32", "bf16": "bf16", "q4": None}
+PRECISION_HINTS = {"f32": "f32", "bf16": "bf16", "f16": "f32", "q4": None}
 KV_CACHE_GB = 2
 
 

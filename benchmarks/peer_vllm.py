@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_protocol import ISAS, PEER_ISA, serve  # noqa: E402
 
-DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 def load(job: dict[str, Any]) -> tuple[Any, str]:

@@ -1,10 +1,10 @@
 """Decode and prompt speed of Atom against llama.cpp: same model, same machine, same run.
 
-Model: SmolLM2-135M-Instruct, in three precisions:
+Model: SmolLM2-135M-Instruct, in four precisions:
 
-* f32, bf16: the shipped Q4_1 GGUF dequantized (`atom_core.engine.fetch.fetch_default_model`). Atom
-  loads that folder with `dtype=float32|bfloat16, quantization="none"`; llama.cpp runs it
-  converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py --outtype f32|bf16` (the
+* f32, bf16, f16: the shipped Q4_1 GGUF dequantized (`atom_core.engine.fetch.fetch_default_model`).
+  Atom loads that folder with `dtype=float32|bfloat16|float16, quantization="none"`; llama.cpp runs
+  it converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py --outtype f32|bf16|f16` (the
   converter vendored in the llama-cpp-python sdist; see tests/gguf_convert.py).
 * q4_1: the shipped file itself (Q4_1 layers, Q8_0 embedding / tied LM head). llama.cpp runs it
   as is; Atom runs the same blocks with its default config (`quantization="auto"`, dtype "auto",
@@ -68,9 +68,10 @@ BLOCK_SIZE = 16
 ATOM_CONFIGS = {
     "f32": dict(dtype="float32", quantization="none"),
     "bf16": dict(dtype="bfloat16", quantization="none"),
+    "f16": dict(dtype="float16", quantization="none"),
     "q4_1": dict(),
 }
-GGUF_OUTTYPES = {"f32": "f32", "bf16": "bf16", "q4_1": None}
+GGUF_OUTTYPES = {"f32": "f32", "bf16": "bf16", "f16": "f16", "q4_1": None}
 
 
 @dataclass
@@ -275,7 +276,7 @@ def int_list(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precisions", default=",".join(ATOM_CONFIGS), help=f"from {', '.join(ATOM_CONFIGS)}")
+    ap.add_argument("--precisions", default="f32,bf16,q4_1", help=f"from {', '.join(ATOM_CONFIGS)}")
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32], help="parallel sequences, e.g. 1,8,32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)

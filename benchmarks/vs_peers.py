@@ -11,7 +11,7 @@ Instruct, `--threads` threads for every engine, random token-id prompts (the sam
   timed until all are finished.
 * pp512: one 512-token prompt; tokens/s = 512 / time to its first token.
 
-Precisions (`--precisions f32,bf16,q4`):
+Precisions (`--precisions f32,bf16,q4`, the default; `f16` on request):
 
 * f32, bf16: the HF folder `atom_core.engine.fetch.fetch_default_model()` makes from the shipped Q4_1
   GGUF (dequantized). Atom: `dtype=float32|bfloat16, quantization="none"`. llama.cpp: that
@@ -21,6 +21,10 @@ Precisions (`--precisions f32,bf16,q4`):
   weight format (fp32, fp16, int8, int4, ...), and bf16 is what OpenVINO's CPU plugin runs
   through that hint (it converts the weights at compile time); its default on CPUs with
   AVX512_BF16 / AMX.
+* f16: the same folder in float16: Atom `dtype="float16"`, llama.cpp `--outtype f16`, vLLM
+  `LLM(dtype="float16")`, OpenVINO `--weight-format fp16` with the f32 hint (its CPU plugin
+  computes in float16 only on CPUs with AVX512-FP16 or AMX-FP16; elsewhere it widens the
+  weights, as Atom does).
 * q4: Atom and llama.cpp on the shipped Q4_1 file itself (Atom with its default config, and
   again as "Atom a8 kv16" with `activation_bits=8, kv_cache_dtype="bfloat16"`: the 8-bit
   activations llama.cpp and OpenVINO multiply 4-bit weights by, and a 16-bit KV cache as
@@ -134,10 +138,11 @@ from vs_llamacpp import (  # noqa: E402
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, fetch_default_model  # noqa: E402
 from atom_core.platform.cpu_features import cap_torch_and_onednn, cpu_features  # noqa: E402
 
-PRECISIONS = ("f32", "bf16", "q4")
-ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "q4": "q4_1"}  # vs_llamacpp's names
+PRECISIONS = ("f32", "bf16", "f16", "q4")
+DEFAULT_PRECISIONS = ("f32", "bf16", "q4")  # the issue's three; f16 on request
+ATOM_PRECISION = {"f32": "f32", "bf16": "bf16", "f16": "f16", "q4": "q4_1"}  # vs_llamacpp's names
 PEER_NAMES = {"llama.cpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO"}
-OPENVINO_WEIGHTS = {"f32": "fp32", "bf16": "fp32", "q4": "int4"}  # bf16: fp32 IR, bf16 hint
+OPENVINO_WEIGHTS = {"f32": "fp32", "bf16": "fp32", "f16": "fp16", "q4": "int4"}  # bf16: fp32 IR, bf16 hint
 # Atom measured again on a precision at the peers' precisions: 4-bit layers with 8-bit
 # activations (what llama.cpp's Q8_1 and OpenVINO's dynamic quantization multiply 4-bit weights
 # by) and a 16-bit KV cache (llama.cpp's f16; OpenVINO's is u8).
@@ -336,7 +341,7 @@ PEER_CLASSES: dict[str, type[Peer]] = {"llama.cpp": LlamaCpp, "vllm": Vllm, "ope
 # (MLAS) read CPUID themselves and run AVX-512 on an AVX-512 host (its f32 prompt rate there
 # passes this CPU's AVX2 GEMM ceiling, benchmarks/gemm_ceiling.py); the report adds a ratio
 # against the best of the others.
-UNCAPPED = {("openvino", "f32"), ("openvino", "bf16")}
+UNCAPPED = {("openvino", "f32"), ("openvino", "bf16"), ("openvino", "f16")}
 UNSUPPORTED = {
     ("vllm", "q4"): "no 4-bit model for vLLM's CPU path (its int4 kernels take AWQ/GPTQ-style checkpoints, "
     "none exists offline for SmolLM2; GGUF loading is a separate plugin, not tried)"
@@ -521,7 +526,9 @@ def _say(message: str) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default=",".join(PEER_CLASSES), help=f"from {', '.join(PEER_CLASSES)}")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS), help=f"from {', '.join(PRECISIONS)} (q4_1 = q4)")
+    ap.add_argument(
+        "--precisions", default=",".join(DEFAULT_PRECISIONS), help=f"from {', '.join(PRECISIONS)} (q4_1 = q4)"
+    )
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32], help="parallel sequences, e.g. 1,8,32")
     ap.add_argument("--rounds", type=int, default=1, help="turns of all engines (best of each)")
     ap.add_argument("--threads", type=int, default=2)

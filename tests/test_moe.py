@@ -14,6 +14,7 @@ from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 from atom_core.layers import FusedMoE, register_router, select_experts  # noqa: E402
+from atom_core.layers.gemm import gemv_ops  # noqa: E402
 from atom_core.layers.moe import MIXTRAL_EXPERT_NAMES, ROUTERS  # noqa: E402
 from atom_core.loading.checkpoint import load_model_weights  # noqa: E402
 from atom_core.platform.cpu_features import cpu_features  # noqa: E402
@@ -280,7 +281,7 @@ def test_fused_moe_bfloat16_stays_close():
 
 
 @pytest.mark.parametrize("cpp_loop", [True, False], ids=["cpp_loop", "python_loop"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
     """process_weights_after_loading swaps the stacks for per-expert copies in the GEMM's own
     layout; the C++ experts loop (or the Python one without it) gives the plain path's result."""
@@ -297,7 +298,8 @@ def test_repacked_experts_give_the_same_output(dtype, cpp_loop, monkeypatch):
     before, before_one = moe(x, w, ids), moe(x[:1], w[:1], ids[:1])  # one token: three experts, a row each
     moe.process_weights_after_loading()
     moe.process_weights_after_loading()  # idempotent
-    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:  # each expert's streaming kernel
+    streams = dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_features().onednn_bf16)
+    if streams and gemv_ops() is not None:  # each expert's streaming kernel
         assert moe.expert_gemms is not None and moe.w13 is None
     else:
         assert moe.packed is None or (moe.w13 is None and len(moe.packed[0]) == 8)

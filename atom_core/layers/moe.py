@@ -11,8 +11,10 @@ columns for oneDNN's batch-reduce micro-kernel, and a C++ loop (`csrc/moe_cpu.cp
 whole experts to threads, each expert's gather, GEMMs, activation and weighting fused in
 one pass: faster than giving every small GEMM all the threads, and than oneDNN's packed
 linear per expert, at every row count measured (docs/kernels.md). Elsewhere a
-Python loop over the active experts does the same work with `F.linear`, or with each
-expert's quantized kernels when `Config.quantization` quantized them (`quant`).
+Python loop over the active experts does the same work with `F.linear`, with each expert's
+streaming kernel (weights oneDNN has no kernels for: float16, and bfloat16 without
+AVX-512), or with each expert's quantized kernels when `Config.quantization` quantized
+them (`quant`).
 
 Checkpoints store experts one by one (`experts.{e}.gate_proj.weight`, Mixtral's
 `experts.{e}.w1.weight`); `FusedMoE.checkpoint_mapping` turns those names into
@@ -226,13 +228,13 @@ class FusedMoE(nn.Module):
             ]
             self.quant = self.w13 = self.w2 = None  # type: ignore[assignment]  # the kernels hold their own copies
             return
-        if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16):
+        if self.w13.device.type != "cpu" or self.w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return
         if self.activation != "silu" or self.w13_bias is not None:
             return  # the C++ loop runs SiLU without biases: the per-expert path runs these
-        if self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
-            # oneDNN has no bfloat16 kernels here (no AVX-512): each expert's own streaming
-            # kernel, which keeps the weights in bfloat16 (`pick_gemm`), where it builds
+        if self.w13.dtype == torch.float16 or (self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16):
+            # oneDNN has no kernels for these weights here (float16; bfloat16 without AVX-512):
+            # each expert's own streaming kernel, which keeps them in 16 bits (`pick_gemm`), where it builds
             gemms = [
                 (pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)
             ]
