@@ -355,9 +355,10 @@ def _env(args: argparse.Namespace) -> int:
     print(f"features:        {' '.join(f if f in host.flags else '-' + f for f in shown)}")
     capped = f" ({ENV_ISA}={os.environ[ENV_ISA]}; this CPU: {host.variant.name})" if features.capped else ""
     print(f"kernel variant:  {features.variant.name}{capped}; can run: {', '.join(features.variants)}")
-    print(
-        f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else 'no (bfloat16 weights stay bfloat16 in the tiled kernel)'}"
-    )
+    # 16-bit weights oneDNN has no kernels for stay 16-bit in Atom's tiled kernel (gemm.pick_gemm)
+    tiled = "stay 16-bit in the tiled kernel" if kernels_enabled() else "torch's GEMM (kernels off)"
+    print(f"oneDNN bfloat16: {'yes' if features.onednn_bf16 else f'no (bfloat16 weights: {tiled})'}")
+    print(f"float16 weights: {tiled}")
     print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     names = (ENV_ISA, "ATOM_CPU_KERNELS", *features.variant.caps())

@@ -161,7 +161,9 @@ def test_atom_env_names_the_variant_of_each_kernel(capsys):
     assert f"kernel variant:  {variant}" in out and "torch:" in out and "CPU capability" in out
     if not kernels_enabled():
         assert "kernels:         off (ATOM_CPU_KERNELS=0)" in out
+        assert "float16 weights: torch's GEMM (kernels off)" in out
         return
+    assert "float16 weights: stay 16-bit in the tiled kernel" in out
     kernels = {k.name: k for k in declared_kernels().values()}
     for name in ("atom_cpu_ops", "atom_gemv", "atom_moe_ops", "atom_paged_attention_cpu"):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
