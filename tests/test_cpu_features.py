@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, detect, variant
+from atom_core.platform.cpu_features import ENV_ISA, VARIANTS, detect, inductor_cache_dir, variant
 
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -176,7 +176,7 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
     best = detect(isa="").variants
     if "avx2" not in best:
         pytest.skip("the CPU cannot run AVX2: ATOM_CPU_ISA=avx2 is refused here (tested above)")
-    caps = tuple(variant("avx2").caps())  # the variables a level is held by
+    caps = (*variant("avx2").caps(), "TORCHINDUCTOR_CACHE_DIR")  # the variables a level is held by
     code = (
         "import json, os, atom_core, torch; "
         f"print(json.dumps({{**{{n: os.environ.get(n) for n in {caps!r}}}, "
@@ -191,10 +191,14 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
     if best[0] == "avx2":  # an AVX2 CPU: nothing to cap
         assert capped["MKL_ENABLE_INSTRUCTIONS"] is capped["ONEDNN_MAX_CPU_ISA"] is None
         return
+    # Inductor compiles into the level's own cache: a capped compile found by an uncapped
+    # process aborted it (the cache does not key on ATEN_CPU_CAPABILITY)
     assert capped == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-                      "MKL_ENABLE_INSTRUCTIONS": "AVX2", "capability": "AVX2"}  # fmt: skip
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX2", "capability": "AVX2",
+                      "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir("avx2"))}  # fmt: skip
     assert run(ATOM_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
-    assert run()["MKL_ENABLE_INSTRUCTIONS"] is None  # nothing capped without ATOM_CPU_ISA
+    uncapped = run()
+    assert uncapped["MKL_ENABLE_INSTRUCTIONS"] is uncapped["TORCHINDUCTOR_CACHE_DIR"] is None  # nothing without ATOM_CPU_ISA
 
 
 @pytest.fixture

@@ -11,14 +11,18 @@ Atom choose exactly as it would on a CPU of that level: the kernel variant, and 
 oneDNN's packed bfloat16 path exists (it needs AVX-512 or AVX-NE-CONVERT). It also caps oneDNN
 (`ONEDNN_MAX_CPU_ISA`), MKL (`MKL_ENABLE_INSTRUCTIONS`) and torch's own kernels
 (`ATEN_CPU_CAPABILITY`) where those are not set, as early as `import atom_core`, before torch
-has chosen. A level above what the CPU has is refused. This module imports no torch.
+has chosen, and gives torch.compile's Inductor a cache of that level's own. A level above what
+the CPU has is refused. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import functools
+import getpass
 import os
 import platform
+import tempfile
+from pathlib import Path
 
 import attrs
 
@@ -211,3 +215,16 @@ def cap_torch_and_onednn() -> None:
     if features.capped:
         for name, value in features.variant.caps().items():
             os.environ.setdefault(name, value)
+        # Inductor's cache does not tell code compiled under ATEN_CPU_CAPABILITY from the CPU's
+        # own: an uncapped process that found a capped compile's graph aborted in it. Each
+        # level compiles into a cache of its own (beside Inductor's default one).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir(features.variant.name)))
+
+
+def inductor_cache_dir(level: str) -> Path:
+    """Where Inductor caches what it compiles under `ATOM_CPU_ISA=level`."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (some containers)
+        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}" / f"atom_isa_{level}"
