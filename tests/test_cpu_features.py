@@ -198,7 +198,9 @@ def test_atom_cpu_isa_caps_onednn_mkl_and_torch_at_import():
                       "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir("avx2"))}  # fmt: skip
     assert run(ATOM_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
     uncapped = run()
-    assert uncapped["MKL_ENABLE_INSTRUCTIONS"] is uncapped["TORCHINDUCTOR_CACHE_DIR"] is None  # nothing without ATOM_CPU_ISA
+    assert (
+        uncapped["MKL_ENABLE_INSTRUCTIONS"] is uncapped["TORCHINDUCTOR_CACHE_DIR"] is None
+    )  # nothing without ATOM_CPU_ISA
 
 
 @pytest.fixture
