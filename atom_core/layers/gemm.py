@@ -146,6 +146,13 @@ class StreamingGemm:
         return self.every_row or self.max_rows == 0
 
 
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has GEMM kernels for weights of `dtype` on this CPU: float32 always,
+    bfloat16 where `cpu_features().onednn_bf16`; float16 is never given to it (its kernels
+    need AVX512-FP16 or AMX-FP16, and torch's fallback runs at a twentieth of bfloat16's rate)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features().onednn_bf16)
+
+
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
 
@@ -161,7 +168,7 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return F.linear, weight
     onednn = torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
-    if onednn and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_features().onednn_bf16)):
+    if onednn and onednn_takes(weight.dtype):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         ops = gemv_ops() if streaming else None

@@ -38,12 +38,11 @@ from atom_core.distributed.communication import all_reduce
 from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.checkpoint_slice import materialize, reads_slices
 from atom_core.layers.cpp import CppKernel
-from atom_core.layers.gemm import StreamingGemm, pick_gemm
+from atom_core.layers.gemm import StreamingGemm, onednn_takes, pick_gemm
 from atom_core.layers.graph_capture import launch
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
 from atom_core.layers.routers import ROUTERS, register_router, select_experts
-from atom_core.platform.cpu_features import cpu_features
 
 __all__ = ["FusedMoE", "ExpertNameMapper", "ROUTERS", "register_router", "select_experts"]
 
@@ -232,7 +231,7 @@ class FusedMoE(nn.Module):
             return
         if self.activation != "silu" or self.w13_bias is not None:
             return  # the C++ loop runs SiLU without biases: the per-expert path runs these
-        if self.w13.dtype == torch.float16 or (self.w13.dtype == torch.bfloat16 and not cpu_features().onednn_bf16):
+        if not onednn_takes(self.w13.dtype):
             # oneDNN has no kernels for these weights here (float16; bfloat16 without AVX-512):
             # each expert's own streaming kernel, which keeps them in 16 bits (`pick_gemm`), where it builds
             gemms = [
