@@ -337,7 +337,6 @@ def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path)
 def test_serve_with_two_engine_cores_of_two_ranks_each(tmp_path):
     """Data parallel composes: `atom serve --data-parallel-size 2 --tensor-parallel-size 2` runs 2
     engine cores of 2 ranks each, answers as one offline rank does, and leaves no rank behind."""
-    import subprocess
 
     import httpx
     from test_serve import start_server, stop_server
@@ -361,16 +360,33 @@ def test_serve_with_two_engine_cores_of_two_ranks_each(tmp_path):
             ).json()["choices"][0]["text"]
             for p in prompts
         ]
-        pids = subprocess.run(
-            ["pgrep", "-f", "atom_core.executor.worker"], capture_output=True, text=True
-        ).stdout.split()
+        pids = worker_pids(proc.pid)
     finally:
         stop_server(proc)
     assert got == [w["text"] for w in want]
     assert len(pids) >= 2  # a worker rank in each engine core
     time.sleep(1)
-    alive = subprocess.run(["pgrep", "-f", "atom_core.executor.worker"], capture_output=True, text=True).stdout.split()
-    assert not set(pids) & set(alive)
+    assert not [pid for pid in pids if is_worker(pid)]  # none outlived the server
+
+
+def worker_pids(root: int) -> list[int]:
+    """The worker ranks among `root`'s descendants (not another test run's, on a shared host)."""
+    import subprocess
+
+    found, todo = [], [root]
+    while todo:
+        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        todo += map(int, children)
+        found += [pid for pid in map(int, children) if is_worker(pid)]
+    return found
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"atom_core.executor.worker" in f.read()
+    except OSError:  # gone
+        return False
 
 
 RAY_SCRIPT = """
