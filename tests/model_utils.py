@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -414,6 +418,37 @@ def tiny_models(*archs: str):
         return folder, build_tiny_model(request.param, folder)
 
     return tiny
+
+
+def transformers_from_gguf(gguf_file: Path):
+    """transformers' own GGUF loading of `gguf_file`, dequantized to float32: the real-model
+    tests' oracle. That load takes half a minute on a slow host (tokenizer and tensors converted
+    in Python), so its result is kept under the test cache (safetensors and config, keyed by the
+    file and the versions) and later loads, in this run and the next, read that copy."""
+    import transformers
+    from gguf_convert import cache_dir
+    from safetensors.torch import save_model
+
+    st = gguf_file.stat()
+    key = f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}:{torch.__version__}"
+    folder = cache_dir() / "transformers-from-gguf" / f"{gguf_file.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (folder / "model.safetensors").is_file():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    ).eval()
+    # save_pretrained refuses a model loaded from GGUF; its weights are plain float32 tensors
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config, indent=1))
+    save_model(model, str(partial / "model.safetensors"))  # a tied LM head once
+    try:
+        partial.rename(folder)  # whole or not at all; another process may have got there first
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+    return model
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

