@@ -14,7 +14,7 @@
 // load of x serves TILE outputs, and no output needs a horizontal sum (the row-major kernel
 // this replaced was bound by its x loads and cross-lane sums at 6-8 rows, not by memory).
 // Each thread takes a contiguous run of tiles, each line prefetched (non-temporal)
-// PREFETCH_BYTES ahead; rows go through a tile ROWS at a time (as many as the registers
+// PREFETCH_BYTES ahead; rows go through a tile a few at a time (as many as the registers
 // hold accumulators for), further passes reading the tile from cache. Past CHUNK_ROWS rows
 // (a GEMM), x is taken a chunk at a time so that the chunk stays in L2 under the tiles.
 //
@@ -57,9 +57,13 @@ using simd::vf;
 
 constexpr int64_t L = simd::kLanes;
 constexpr int64_t TILE = 2 * L;  // output rows per tile: two vectors
-// Rows of x per pass over a tile: their 2 * ROWS accumulators and the tile's vectors fit in
-// the registers (AVX-512: 32, AVX2: 16); more rows take another pass, from cache.
-constexpr int ROWS = simd::kRegisters == 32 ? 8 : 4;
+// Rows of x per pass over a tile of W: their 2 * rows accumulators, the tile's vectors and a
+// broadcast fit in the registers (AVX-512: 32; AVX2: 16, which hold six rows beside a float32
+// tile's two vectors but four beside a bfloat16 pair's four); more rows take more passes, from cache.
+template <typename W>
+constexpr int rows_per_pass() {
+  return simd::kRegisters == 32 ? 8 : std::is_same_v<W, c10::BFloat16> ? 4 : 6;
+}
 // Rows of x per chunk in a GEMM (many rows): a chunk of x stays in L2 while a thread's run
 // of tiles passes under it.
 constexpr int64_t CHUNK_ROWS = 64;
@@ -185,9 +189,9 @@ void rows_tile(int rows, const X* x, int64_t K, const W* wt, int64_t N, const fl
     case 2: return one_tile<W, X, T, 2, kStream>(x, K, wt, N, bias, y, t);
     case 3: return one_tile<W, X, T, 3, kStream>(x, K, wt, N, bias, y, t);
     case 4: return one_tile<W, X, T, 4, kStream>(x, K, wt, N, bias, y, t);
-#if defined(__AVX512F__)
     case 5: return one_tile<W, X, T, 5, kStream>(x, K, wt, N, bias, y, t);
     case 6: return one_tile<W, X, T, 6, kStream>(x, K, wt, N, bias, y, t);
+#if defined(__AVX512F__)
     case 7: return one_tile<W, X, T, 7, kStream>(x, K, wt, N, bias, y, t);
     case 8: return one_tile<W, X, T, 8, kStream>(x, K, wt, N, bias, y, t);
 #endif
@@ -196,7 +200,8 @@ void rows_tile(int rows, const X* x, int64_t K, const W* wt, int64_t N, const fl
 
 // Every row of x against every tile. Each thread takes a contiguous run of tiles (a long
 // sequential stream), at least two; within it, chunks of rows, and within a chunk each tile
-// in passes of up to ROWS rows (the first pass reads the tile from memory, the others from cache).
+// in as few passes as `rows_per_pass` allows, of equal rows (the first pass reads the tile from
+// memory, the others from cache).
 // 16-bit weights against float32 rows, a prompt's many rows: a chunk that takes more than
 // one pass widens the tile once (`widen_tile`) and every pass reads the float32 copy.
 template <typename W, typename X, typename T>
@@ -213,14 +218,19 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
       // the chunk's passes over tile t, its weights at `tile` (in memory: kStream)
       auto passes = [&](int64_t t, const auto* tile, auto stream) {
         using V = std::remove_const_t<std::remove_pointer_t<decltype(tile)>>;
-        for (int64_t m0 = c0; m0 < c1; m0 += ROWS)
-          rows_tile<V, X, T, decltype(stream)::value>(static_cast<int>(std::min<int64_t>(ROWS, c1 - m0)), x + m0 * K,
-                                                      K, tile, N, bias, y + m0 * N, t);
+        constexpr int R = rows_per_pass<V>();
+        const int64_t n = c1 - c0, npass = (n + R - 1) / R;
+        for (int64_t p = 0, m0 = c0; p < npass; ++p) {
+          const int64_t rows = n / npass + (p < n % npass);
+          rows_tile<V, X, T, decltype(stream)::value>(static_cast<int>(rows), x + m0 * K, K, tile, N, bias,
+                                                      y + m0 * N, t);
+          m0 += rows;
+        }
       };
       for (int64_t t = begin; t < end; ++t) {
         const W* wt = w + t * TILE * K;
         if constexpr (kWidens) {
-          if (widen_rows && c1 - c0 > ROWS) {
+          if (widen_rows && c1 - c0 > rows_per_pass<float>()) {
             widen_tile(wt, K, wide.data());
             passes(t, static_cast<const float*>(wide.data()), std::false_type{});
             continue;
