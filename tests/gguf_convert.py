@@ -70,19 +70,25 @@ def unpack_sdist(dest: Path, extract: Callable[[Path, Path], None], version: str
     Extracted beside `dest` and renamed into place, so a reader never sees half a tree and
     two processes racing both end with the complete one.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="atom-llama-cpp-") as tmp:
         sdist = _download_sdist(version, Path(tmp))
-        partial = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return fill_atomically(dest, lambda folder: extract(sdist, folder))
+
+
+def fill_atomically(dest: Path, fill: Callable[[Path], None]) -> Path:
+    """`dest` made by `fill(folder)` in a folder beside it, then renamed into place: a reader
+    never sees half a tree, and two processes racing both end with a complete one."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.parent / f".{dest.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fill(partial)
         try:
-            extract(sdist, partial)
-            try:
-                os.rename(partial, dest)  # atomic; another process may have finished first
-            except OSError:
-                if not dest.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+            os.rename(partial, dest)  # atomic; another process may have finished first
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return dest
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -426,7 +424,7 @@ def transformers_from_gguf(gguf_file: Path):
     in Python), so its result is kept under the test cache (safetensors and config, keyed by the
     file and the versions) and later loads, in this run and the next, read that copy."""
     import transformers
-    from gguf_convert import cache_dir
+    from gguf_convert import cache_dir, fill_atomically
     from safetensors.torch import save_model
 
     st = gguf_file.stat()
@@ -437,17 +435,16 @@ def transformers_from_gguf(gguf_file: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
     ).eval()
-    # save_pretrained refuses a model loaded from GGUF; its weights are plain float32 tensors
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    partial.mkdir(parents=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (partial / "config.json").write_text(json.dumps(config, indent=1))
-    save_model(model, str(partial / "model.safetensors"))  # a tied LM head once
-    try:
-        partial.rename(folder)  # whole or not at all; another process may have got there first
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
+
+    def save(into: Path) -> None:
+        # save_pretrained refuses a model loaded from GGUF; its weights are plain float32 tensors
+        into.mkdir()
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (into / "config.json").write_text(json.dumps(config, indent=1))
+        save_model(model, str(into / "model.safetensors"))  # a tied LM head once
+
+    fill_atomically(folder, save)
     return model
 
 

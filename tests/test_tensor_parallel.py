@@ -337,7 +337,6 @@ def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path)
 def test_serve_with_two_engine_cores_of_two_ranks_each(tmp_path):
     """Data parallel composes: `atom serve --data-parallel-size 2 --tensor-parallel-size 2` runs 2
     engine cores of 2 ranks each, answers as one offline rank does, and leaves no rank behind."""
-
     import httpx
     from test_serve import start_server, stop_server
 
