@@ -1,5 +1,13 @@
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 
 try:  # two threads on a busy 2-core machine made small forwards 10-200x slower
@@ -15,6 +23,8 @@ from atom_core.platform.cpu_features import cpu_features
 # Every kernel variant this host can run, best first: on an AVX-512 host the AVX2 and portable
 # builds are checked too, so either kind of host tests both paths (ATOM_CPU_ISA caps the list).
 KERNEL_VARIANTS = cpu_features().variants
+NATIVE_VARIANT = cpu_features().variant.name  # the one scripts/setup.sh builds
+_other_variants_build: subprocess.Popen | None = None
 
 
 def require_kernel(ops):
@@ -31,20 +41,74 @@ def require_kernel(ops):
     return ops
 
 
+def pytest_sessionstart(session):
+    """The variants other than this CPU's compile behind the tests, on the core their single
+    torch thread leaves (`atom kernels --idle`), not in a pause before the first kernel test:
+    on an AVX-512 host that is four variants of every kernel, minutes of compiling."""
+    global _other_variants_build
+    from atom_core.layers.cpp import compiler, declared_kernels, kernels_enabled
+
+    others = [v for v in KERNEL_VARIANTS if v != NATIVE_VARIANT]
+    if not (kernels_enabled() and compiler() and others):
+        return
+    if all(k.built(v) for k in declared_kernels().values() for v in others):
+        return
+    log = open(Path(tempfile.gettempdir()) / f"atom-test-kernels-{os.getpid()}.log", "w")
+    args = [a for v in others for a in ("--variant", v)]
+    _other_variants_build = subprocess.Popen(
+        [sys.executable, "-m", "atom_core.cli", "kernels", *args, "--idle"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    log.close()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that never reached the other variants' tests (-k) leaves no compiler behind."""
+    if _other_variants_build is not None and _other_variants_build.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(_other_variants_build.pid, signal.SIGTERM)
+        _other_variants_build.wait()
+
+
+def _variant_of(item) -> str | None:
+    """The kernel variant a test item is parametrized with (`kernel_variant`, or "cpu-<v>")."""
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        if isinstance(value, str) and value.removeprefix("cpu-") in KERNEL_VARIANTS:
+            return value.removeprefix("cpu-")
+    return None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests of the variants other than this CPU's run last, by when `pytest_sessionstart`'s
+    build has had the rest of the suite's time."""
+    native = [i for i in items if _variant_of(i) in (None, NATIVE_VARIANT)]
+    items[:] = native + [i for i in items if _variant_of(i) not in (None, NATIVE_VARIANT)]
+
+
 @pytest.fixture(scope="session")
 def _kernels_built():
-    """Builds every declared kernel in every variant up front, one build per core at a time,
-    rather than one by one as tests first ask for them."""
+    """Every declared kernel in every variant, built: after the background build, whatever it
+    left (one build per core at a time), rather than one by one as tests first ask for them."""
     from atom_core.layers.cpp import build_all, kernels_enabled
 
+    if _other_variants_build is not None:
+        _other_variants_build.wait()
     if kernels_enabled():
         build_all(KERNEL_VARIANTS)
 
 
+def built_variant(request, variant: str) -> str:
+    """`variant`, once its kernels are built: this CPU's needs no wait (setup built it, or its
+    first load does), the others wait for `_kernels_built`."""
+    if variant != NATIVE_VARIANT:
+        request.getfixturevalue("_kernels_built")
+    return variant
+
+
 @pytest.fixture(params=KERNEL_VARIANTS)
-def kernel_variant(request, _kernels_built) -> str:
+def kernel_variant(request) -> str:
     """Each variant of the C++ kernels this host can run, in turn."""
-    return request.param
+    return built_variant(request, request.param)
 
 
 @pytest.fixture(scope="module")

@@ -412,3 +412,24 @@ def test_a_kernel_runs_its_base_build_at_a_variant_it_has_no_code_for(tmp_path):
         assert CPU_OPS_KERNEL.status("avx2_vnni") == "avx2"
         gemv = GEMV_KERNEL.load("avx2_vnni")
         assert gemv is not None and gemv is not GEMV_KERNEL.load("avx2") and gemv.VARIANT == "avx2_vnni"
+
+
+def test_atom_kernels_counts_a_base_build_as_built_and_a_missing_one_as_failed(monkeypatch, capsys):
+    """`atom kernels --variant avx512_vnni`: the kernels with no code of their own for it run
+    their avx512 build, which is success (exit 0); a kernel left on the torch path is not."""
+    import contextlib
+
+    from atom_core import cli
+    from atom_core.layers import cpp
+    from atom_core.layers.gemm import GEMV_KERNEL
+    from atom_core.layers.ops import CPU_OPS_KERNEL
+
+    kernels = {"gemv": GEMV_KERNEL, "cpu_ops": CPU_OPS_KERNEL}
+    monkeypatch.setattr(cpp, "declared_kernels", lambda: kernels)
+    monkeypatch.setattr(cpp, "BuildLock", contextlib.nullcontext)
+    built = {GEMV_KERNEL.name: "avx512_vnni", CPU_OPS_KERNEL.name: "avx512"}
+    monkeypatch.setattr(cpp, "build_all", lambda variants: {"avx512_vnni": dict(built)})
+    assert cli.main(["kernels", "--variant", "avx512_vnni"]) == 0
+    built[CPU_OPS_KERNEL.name] = "torch path (a build error)"
+    assert cli.main(["kernels", "--variant", "avx512_vnni"]) == 1
+    assert "avx512_vnni  atom_cpu_ops               torch path (a build error)" in capsys.readouterr().out

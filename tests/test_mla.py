@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import KERNEL_VARIANTS, require_kernel  # noqa: E402
+from conftest import KERNEL_VARIANTS, built_variant, require_kernel  # noqa: E402
 from model_utils import build_tiny_model, random_prompts, run_with_logits  # noqa: E402
 from real_shapes import DEEPSEEK_V3  # noqa: E402
 
@@ -76,12 +76,12 @@ def reference(layer, lat, q_nope, q_pe, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("impl_name", [*(f"cpu-{v}" for v in KERNEL_VARIANTS), "torch_expand", "torch_absorb"])
-def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, shape, dtype, monkeypatch, _kernels_built):
+def test_kernels_match_reference_on_a_mixed_batch_over_a_nan_pool(impl_name, shape, dtype, monkeypatch, request):
     from atom_attention import cpu_kernels
     from atom_attention.mla.paged import CpuMLAAttention, TorchMLAAttention
 
     if impl_name.startswith("cpu-"):  # the C++ kernel, in each variant this host runs
-        ops = require_kernel(cpu_kernels.load(impl_name.removeprefix("cpu-")))
+        ops = require_kernel(cpu_kernels.load(built_variant(request, impl_name.removeprefix("cpu-"))))
         monkeypatch.setattr(cpu_kernels, "load", lambda variant=None: ops)
         impl = CpuMLAAttention()
     else:
