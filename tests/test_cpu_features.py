@@ -433,3 +433,38 @@ def test_atom_kernels_counts_a_base_build_as_built_and_a_missing_one_as_failed(m
     built[CPU_OPS_KERNEL.name] = "torch path (a build error)"
     assert cli.main(["kernels", "--variant", "avx512_vnni"]) == 1
     assert "avx512_vnni  atom_cpu_ops               torch path (a build error)" in capsys.readouterr().out
+
+
+def test_a_build_killed_part_way_leaves_no_lock_that_stops_the_next(tmp_path, monkeypatch, declared_build_done):
+    """torch's builder keeps a lock file in the build folder that only its own process removes:
+    one killed mid-build (the suite stopping its background build, a machine going down) left
+    it, and the next load waited for ever. The next build finds it and goes on; while a build
+    runs, its folder's own lock (which the OS drops with a dead process) is held."""
+    import fcntl
+    import types
+
+    from torch.utils import cpp_extension
+
+    from atom_core.layers import cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "1")  # also in the suite's kernels-off run
+    source = tmp_path / "k.cpp"
+    source.write_text("int x;\n")
+    kernel = cpp.CppKernel("atom_k", source)
+    build_dir = kernel.build_dir("portable")
+    (build_dir / cpp.TORCH_BATON).touch()  # a killed build's leftover
+    seen = []
+
+    def load(**kw):
+        with open(build_dir / cpp.BUILDING_FILE) as other:  # another process's attempt, meanwhile
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        seen.append((build_dir / cpp.TORCH_BATON).exists())
+        return types.ModuleType(kw["name"])
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert kernel.load("portable") is not None
+    assert seen == [False]
+    with open(build_dir / cpp.BUILDING_FILE) as after:  # and let go once built
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -27,6 +27,7 @@ answered in seconds, not after the compiler. Whether a kernel is built is a mark
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -55,6 +56,8 @@ COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "
 FAILED_FILE = "atom-build-failed.json"
 OK_FILE = "atom-build-ok.json"
 LOG_FILE = "atom-build.log"
+BUILDING_FILE = "atom-building.lock"  # `_building`'s lock, in each build folder
+TORCH_BATON = "lock"  # the lock file torch's builder keeps in a build folder while it builds
 BUILD_ENV = "ATOM_KERNEL_BUILD"  # "wait" (the default) or "background": see the module's docstring
 BUILD_MODES = ("wait", "background")
 BACKGROUND_LOG = "atom-background-build.log"  # in the build root, beside the lock
@@ -214,15 +217,16 @@ class CppKernel:
         try:
             from torch.utils import cpp_extension
 
-            module = cpp_extension.load(
-                name=self.module_name(variant_name),
-                sources=[str(self.source)],
-                extra_include_paths=[str(INCLUDE_DIR)],
-                extra_cflags=self.cflags(variant_name),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with _building(build_dir):
+                module = cpp_extension.load(
+                    name=self.module_name(variant_name),
+                    sources=[str(self.source)],
+                    extra_include_paths=[str(INCLUDE_DIR)],
+                    extra_cflags=self.cflags(variant_name),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as e:  # a build error, no ninja, a load error: the torch path still works
             text = str(e)
             reason = _first_error(text)
@@ -247,6 +251,26 @@ class CppKernel:
             "atom: C++ kernel %s (%s) unavailable, the torch path runs instead: %s", self.name, variant_name, why
         )
         return None
+
+
+@contextlib.contextmanager
+def _building(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's own lock (fcntl's, which the OS drops with a process however it
+    ends) while torch builds there, one process at a time.
+
+    torch's builder keeps a lock file (`TORCH_BATON`) that only the process that made it
+    removes: a build killed part way (SIGTERM, a machine going down) left it, and every later
+    load of that kernel waited on it for ever. Holding this lock, no other process is building
+    in the folder, so a torch lock file found there is such a leftover and goes."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file only
+        yield
+        return
+    with open(build_dir / BUILDING_FILE, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / TORCH_BATON).unlink(missing_ok=True)
+        yield
 
 
 def _marker_key(path: Path) -> str | None:
