@@ -4,9 +4,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -46,20 +43,13 @@ def pytest_sessionstart(session):
     torch thread leaves (`atom kernels --idle`), not in a pause before the first kernel test:
     on an AVX-512 host that is four variants of every kernel, minutes of compiling."""
     global _other_variants_build
-    from atom_core.layers.cpp import compiler, declared_kernels, kernels_enabled
+    from atom_core.layers.cpp import compiler, declared_kernels, kernels_enabled, start_background_build
 
     others = [v for v in KERNEL_VARIANTS if v != NATIVE_VARIANT]
     if not (kernels_enabled() and compiler() and others):
         return
-    if all(k.built(v) for k in declared_kernels().values() for v in others):
-        return
-    log = open(Path(tempfile.gettempdir()) / f"atom-test-kernels-{os.getpid()}.log", "w")
-    args = [a for v in others for a in ("--variant", v)]
-    _other_variants_build = subprocess.Popen(
-        [sys.executable, "-m", "atom_core.cli", "kernels", *args, "--idle"],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    log.close()
+    if not all(k.built(v) for k in declared_kernels().values() for v in others):
+        _other_variants_build = start_background_build(others)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -81,8 +71,7 @@ def _variant_of(item) -> str | None:
 def pytest_collection_modifyitems(session, config, items):
     """Tests of the variants other than this CPU's run last, by when `pytest_sessionstart`'s
     build has had the rest of the suite's time."""
-    native = [i for i in items if _variant_of(i) in (None, NATIVE_VARIANT)]
-    items[:] = native + [i for i in items if _variant_of(i) not in (None, NATIVE_VARIANT)]
+    items.sort(key=lambda item: _variant_of(item) not in (None, NATIVE_VARIANT))  # (a stable sort)
 
 
 @pytest.fixture(scope="session")

@@ -371,22 +371,30 @@ def build_in_background(variant_name: str) -> str:
     if build_running():
         why = f"a build runs in another process (log: {log}); later runs load them"
     else:
-        # the compiler takes only what the run that started it leaves of the cores (--idle:
-        # SCHED_IDLE; nice where the OS has no such class)
-        nice = shutil.which("nice")
-        with open(log, "w") as out:
-            build = subprocess.Popen(
-                [*([nice, "-n", "10"] if nice else []), sys.executable, "-m", "atom_core.cli", "kernels",
-                 "--variant", variant_name, "--idle"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, BUILD_ENV: "wait"},
-            )  # fmt: skip
+        build = start_background_build([variant_name])
         why = f"building in the background (log: {log}); later runs load them"
     threads = leave_cores_to_compilers(build)
     logger.warning(
         "atom: C++ kernels (%s) not built yet, the torch path runs on %d thread(s): %s", variant_name, threads, why
     )
     return why
+
+
+def start_background_build(variants: Sequence[str]) -> subprocess.Popen:
+    """`atom kernels --variant ... --idle` for `variants`, started detached in a session of its
+    own (output: `BACKGROUND_LOG` in the build root). A second one waits for the first's lock
+    (`BuildLock`), then finds its builds done."""
+    build_root().mkdir(parents=True, exist_ok=True)
+    # the compiler takes only what the run that started it leaves of the cores (--idle:
+    # SCHED_IDLE; nice where the OS has no such class)
+    nice = shutil.which("nice")
+    with open(build_root() / BACKGROUND_LOG, "w") as out:
+        return subprocess.Popen(
+            [*([nice, "-n", "10"] if nice else []), sys.executable, "-m", "atom_core.cli", "kernels",
+             *(a for v in variants for a in ("--variant", v)), "--idle"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, BUILD_ENV: "wait"},
+        )  # fmt: skip
 
 
 def build_running() -> bool:
@@ -510,6 +518,7 @@ __all__ = [
     "CppKernel",
     "VARIANT_NAMES",
     "build_in_background",
+    "start_background_build",
     "build_mode",
     "build_root",
     "build_all",
