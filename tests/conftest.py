@@ -41,12 +41,14 @@ def require_kernel(ops):
 def pytest_sessionstart(session):
     """The variants other than this CPU's compile behind the tests, on the core their single
     torch thread leaves (`atom kernels --idle`), not in a pause before the first kernel test:
-    on an AVX-512 host that is four variants of every kernel, minutes of compiling."""
+    on an AVX-512 host that is four variants of every kernel, minutes of compiling. Under
+    pytest-xdist (`-n 2`) the controller starts it, once; a worker that reaches those tests
+    first builds beside it (each build folder's lock keeps one compiler to a kernel)."""
     global _other_variants_build
     from atom_core.layers.cpp import compiler, declared_kernels, kernels_enabled, start_background_build
 
     others = [v for v in KERNEL_VARIANTS if v != NATIVE_VARIANT]
-    if not (kernels_enabled() and compiler() and others):
+    if hasattr(session.config, "workerinput") or not (kernels_enabled() and compiler() and others):
         return
     if not all(k.built(v) for k in declared_kernels().values() for v in others):
         _other_variants_build = start_background_build(others)
@@ -60,18 +62,36 @@ def pytest_sessionfinish(session, exitstatus):
         _other_variants_build.wait()
 
 
-def _variant_of(item) -> str | None:
-    """The kernel variant a test item is parametrized with (`kernel_variant`, or "cpu-<v>")."""
-    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
-        if isinstance(value, str) and value.removeprefix("cpu-") in KERNEL_VARIANTS:
-            return value.removeprefix("cpu-")
-    return None
+def _other_variant(nodeid: str) -> str | None:
+    """The variant other than this CPU's that a test id names among its parameters (the
+    `kernel_variant` fixture's, or "cpu-<variant>"), if any."""
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    return next((p for p in params if p in KERNEL_VARIANTS and p != NATIVE_VARIANT), None)
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Tests of the variants other than this CPU's run last, by when `pytest_sessionstart`'s
     build has had the rest of the suite's time."""
-    items.sort(key=lambda item: _variant_of(item) not in (None, NATIVE_VARIANT))  # (a stable sort)
+    items.sort(key=lambda item: _other_variant(item.nodeid) is not None)  # (a stable sort)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N --dist loadfile` (scripts/test.sh), refined: a test module's tests go to one worker,
+    so its servers and models start once, except its tests of each other variant, which are a
+    unit of their own; units are handed out in collection order, so those come last (above)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleAndVariant(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            variant = _other_variant(nodeid)
+            return f"{module}@{variant}" if variant else module
+
+    config.option.loadscopereorder = False  # (its reordering, by tests per unit, would not keep them last)
+    return ModuleAndVariant(config, log)
 
 
 @pytest.fixture(scope="session")
