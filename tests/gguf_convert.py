@@ -94,7 +94,7 @@ def fill_atomically(dest: Path, fill: Callable[[Path], None]) -> Path:
 
 def _download_sdist(version: str, into: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-           "--no-binary", ":all:", "-d", str(into), f"llama-cpp-python=={version}"]  # fmt: skip
+           "--no-binary", "llama-cpp-python", "-d", str(into), f"llama-cpp-python=={version}"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(into.glob("llama_cpp_python-*.tar.gz"))
     if done.returncode != 0 or not found:
