@@ -75,6 +75,14 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: _other_variant(item.nodeid) is not None)  # (a stable sort)
 
 
+def xdist_unit(nodeid: str) -> str:
+    """The unit of work a test goes to a worker in: its module, or its module's tests of one
+    variant other than this CPU's."""
+    module = nodeid.split("::", 1)[0]
+    variant = _other_variant(nodeid)
+    return f"{module}@{variant}" if variant else module
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`-n N --dist loadfile` (scripts/test.sh), refined: a test module's tests go to one worker,
@@ -86,9 +94,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModuleAndVariant(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            variant = _other_variant(nodeid)
-            return f"{module}@{variant}" if variant else module
+            return xdist_unit(nodeid)
 
     config.option.loadscopereorder = False  # (its reordering, by tests per unit, would not keep them last)
     return ModuleAndVariant(config, log)
