@@ -25,6 +25,7 @@ from atom_core.layers.gemm import gemv_ops  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear  # noqa: E402
 from atom_core.layers.ops import near_max  # noqa: E402
 from atom_core.layers.quantized_gemm import (  # noqa: E402
+    NEVER,
     ExactTopLogits,
     Int4PackGemm,
     Int8PackGemm,
@@ -432,7 +433,7 @@ def test_streaming_group_kernel_against_float64(bits, activation_bits, kernel_va
     for n, k in [(5, 32), (100, 96), (131, 576), (37, 1536)]:
         w = torch.randn(n, k, generator=gen) * 0.05
         qw = quantize_int4(w, 32) if bits == 4 else quantize_int8(w, 32)
-        kernel = StreamingGroupGemm(qw, ops, activation_bits)
+        kernel = StreamingGroupGemm(qw, ops, activation_bits, NEVER)  # qgemm at every row count (AMX: below)
         assert kernel.activation_bits == activation_bits
         q = qw.qweight.reshape(n, k // 32, 32).double() + (128 if bits == 8 else 0)
         scales = qw.scales.half().double()  # the kernel's float16 scale and min per group
@@ -716,3 +717,64 @@ def test_every_family_runs_quantized_with_every_linear_and_expert_quantized(fami
     # expert moves a routed family's logits further (up to 0.99 here, Qwen3-Next at int4)
     limit = (0.5 if mode == "int4" else 0.1) * (3 if ARCHS[arch].get("bf16_routing_flips") else 1)
     assert rel < limit, rel
+
+
+def test_dense_prefill_kernel_against_float64(kernel_variant, monkeypatch):
+    """`qgemm_dense` (4-bit weights, 8-bit activations, a prompt's rows on CPUs with AMX): x and
+    the weight each rounded to bfloat16 and summed in float32, against the float64 product of
+    those rounded factors and against the exact one; the layer takes it from `dense_rows` rows on,
+    qgemm below and at every row count once made batch-invariant; where oneDNN's bfloat16
+    micro-kernel does not run (CPUs without AVX-512 BF16 support), the op raises and no CPU
+    takes it."""
+    ops = require_kernel(gemv_ops(kernel_variant))
+    gen = torch.Generator().manual_seed(5)
+    amx = SimpleNamespace(amx_bf16=True)
+    monkeypatch.setattr(quantized_gemm, "cpu_features", lambda: amx)
+    monkeypatch.setattr(quantized_gemm, "_dense_usable", {})
+    qw = quantize_int4(torch.randn(100, 96, generator=gen) * 0.05, 32)
+    if not ops.dense_usable():
+        kernel = StreamingGroupGemm(qw, ops, 8)
+        with pytest.raises(RuntimeError):
+            ops.qgemm_dense(torch.randn(4, 96), kernel.qweight, kernel.scales, kernel.mins, 100, None)
+        assert not quantized_gemm.dense_prefill(ops) and kernel.dense_rows == NEVER
+        return
+    assert quantized_gemm.dense_prefill(ops)
+    monkeypatch.setenv("ATOM_DISABLE_DENSE_PREFILL", "1")
+    assert not quantized_gemm.dense_prefill(ops)
+    monkeypatch.delenv("ATOM_DISABLE_DENSE_PREFILL")
+    assert StreamingGroupGemm(qw, ops, 16).dense_rows == NEVER  # 16-bit activations keep qgemm
+    with pytest.raises(ValueError, match="stands in for 8-bit activations"):
+        StreamingGroupGemm(qw, ops, 16, 64)
+    assert StreamingGroupGemm(qw, ops, 8).dense_rows == StreamingGroupGemm.DENSE_ROWS
+    for n, k in [(5, 32), (100, 96), (131, 576), (37, 1536)]:
+        qw = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32)
+        kernel = StreamingGroupGemm(qw, ops, 8, 64)
+        held = kernel.scales.double().repeat_interleave(32, 1), kernel.mins.double().repeat_interleave(32, 1)
+        q = qw.qweight.double()
+        t = -(-n // 16) * 16
+        w = (q * held[0].reshape(t // 16, k, 16).transpose(1, 2).reshape(t, k)[:n]
+             + held[1].reshape(t // 16, k, 16).transpose(1, 2).reshape(t, k)[:n])  # fmt: skip
+        wb = w.float().bfloat16().double()  # the weight as the op widens it: exact in float32, then rounded
+        for rows in (1, 17, 64, 700):
+            x = torch.randn(rows, k, generator=gen)
+            xb = x.bfloat16().double()
+            out = ops.qgemm_dense(x, kernel.qweight, kernel.scales, kernel.mins, n, None)
+            assert out.dtype == torch.float32 and out.shape == (rows, n)
+            rounded = xb @ wb.T
+            sums = xb.abs() @ wb.abs().T
+            assert ((out.double() - rounded).abs() <= 1e-6 * sums + 1e-30).all()  # float32 sums of exact products
+            # each factor within 2^-9 of itself: no coarser than x rounded per group to int8
+            exact = x.double() @ w.T
+            assert ((out.double() - exact).abs() <= (2.0**-8 + 2.0**-17) * (x.double().abs() @ w.abs().T) * 1.01).all()
+            routed = kernel(x)
+            qgemm = ops.qgemm(x, kernel.qweight, kernel.scales, kernel.mins, n, None, 8)
+            assert torch.equal(routed, out if rows >= 64 else qgemm)
+            outb = ops.qgemm_dense(x.bfloat16(), kernel.qweight, kernel.scales, kernel.mins, n, None)
+            assert outb.dtype == torch.bfloat16 and torch.equal(outb, out.bfloat16())
+        bias = torch.randn(n, generator=gen)
+        with_bias = ops.qgemm_dense(x, kernel.qweight, kernel.scales, kernel.mins, n, bias)
+        torch.testing.assert_close(with_bias, out + bias, atol=1e-5, rtol=1e-6)
+        assert kernel(x[:0]).shape == (0, n)
+        assert not kernel.batch_invariant
+        kernel.make_batch_invariant()
+        assert kernel.batch_invariant and torch.equal(kernel(x), qgemm)

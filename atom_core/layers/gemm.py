@@ -68,6 +68,7 @@ def gemv_ops(variant: str | None = None) -> ModuleType | None:
         torch.library.register_fake(f"{ns}::qgemm")(
             lambda x, qw, d, mn, n, bias, act_bits=16: x.new_empty((x.shape[0], n))
         )
+        torch.library.register_fake(f"{ns}::qgemm_dense")(lambda x, qw, d, mn, n, bias: x.new_empty((x.shape[0], n)))
     return ops
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -23,6 +25,7 @@ from atom_core.layers.gemm import gemv_ops, pick_gemm
 from atom_core.layers.graph_capture import launch
 from atom_core.layers.ops import near_max
 from atom_core.layers.quantized_weight import INT4_GROUP_SIZES, KERNEL_DTYPE, QuantizedWeight
+from atom_core.platform.cpu_features import cpu_features
 from atom_core.platform.memory import resident
 
 logger = logging.getLogger("atom")
@@ -91,12 +94,18 @@ class StreamingGroupGemm:
     count and computes each row alike whatever the count, so it is batch-invariant by
     construction (speculative decoding's verify rows round as plain decode rows do), and
     one copy of the weights serves decode and prefill.
+
+    Except on CPUs with AMX: there 4-bit weights against 8-bit activations take `qgemm_dense`
+    from `dense_rows` rows on (a prompt's), the weight widened to bfloat16 at each call
+    through oneDNN's micro-kernel (`gemv_cpu.cpp`), at x and w rounded to bfloat16;
+    `make_batch_invariant` (speculative decoding) or ATOM_DISABLE_DENSE_PREFILL=1 turns it off.
     """
 
-    batch_invariant = True
     TILE = 16
+    # From this many rows the AMX path outran qgemm at 8-bit activations (docs/performance.md).
+    DENSE_ROWS = 96
 
-    def __init__(self, qw: QuantizedWeight, ops: Any, activation_bits: int = 16):
+    def __init__(self, qw: QuantizedWeight, ops: Any, activation_bits: int = 16, dense_rows: int | None = None):
         n, k = qw.shape
         if qw.group_size != 32 or k % 32:
             raise ValueError(f"the streaming kernel takes groups of 32, not {qw.format}")
@@ -106,6 +115,19 @@ class StreamingGroupGemm:
         self.activation_bits = activation_bits if qw.bits == 4 else 16  # 8-bit weights: always 16
         self.out_features, self.in_features = n, k
         self.qweight, self.scales, self.mins = map(resident, self.pack(*self.codes(qw), qw.bits))
+        if dense_rows is None:
+            dense_rows = self.DENSE_ROWS if self.activation_bits == 8 and dense_prefill(ops) else NEVER
+        elif dense_rows != NEVER and self.activation_bits != 8:
+            raise ValueError(f"qgemm_dense stands in for 8-bit activations of 4-bit weights, not {self.activation_bits}-bit")
+        self.dense_rows = dense_rows
+
+    def make_batch_invariant(self) -> None:
+        """qgemm at every row count: it rounds each row alike whatever the count."""
+        self.dense_rows = NEVER
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.dense_rows == NEVER
 
     @staticmethod
     def codes(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,13 +168,34 @@ class StreamingGroupGemm:
 
     def qgemm(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The kernel on 2-D rows; as the torch op while `torch.compile` traces (pybind calls break its graph)."""
+        dense = rows.shape[0] >= self.dense_rows
         if torch.compiler.is_compiling():
+            if dense:
+                return compiled_op(self.ops, "qgemm_dense")(
+                    rows, self.qweight, self.scales, self.mins, self.out_features, bias
+                )
             return compiled_op(self.ops, "qgemm")(
                 rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits
             )
+        if dense:
+            return launch(self.ops.qgemm_dense, rows, self.qweight, self.scales, self.mins, self.out_features, bias)
         return launch(
             self.ops.qgemm, rows, self.qweight, self.scales, self.mins, self.out_features, bias, self.activation_bits
         )
+
+
+NEVER = sys.maxsize  # `dense_rows` that no call reaches
+_dense_usable: dict[str, bool] = {}
+
+
+def dense_prefill(ops: Any) -> bool:
+    """Whether `qgemm_dense` serves a prompt's rows here: on CPUs with AMX (not under an
+    ATOM_CPU_ISA below it), where oneDNN's micro-kernel runs, unless ATOM_DISABLE_DENSE_PREFILL."""
+    if os.environ.get("ATOM_DISABLE_DENSE_PREFILL") or not cpu_features().amx_bf16:
+        return False
+    if ops.OPS_NAMESPACE not in _dense_usable:
+        _dense_usable[ops.OPS_NAMESPACE] = bool(ops.dense_usable())
+    return _dense_usable[ops.OPS_NAMESPACE]
 
 
 def streaming_error_bound(
@@ -282,7 +325,7 @@ def quantized_linear(
 def streaming_group_linear(x: torch.Tensor, kernel: StreamingGroupGemm, bias: torch.Tensor | None) -> torch.Tensor:
     """`quantized_linear` for `StreamingGroupGemm`, whose output is already in x's dtype: a
     decode step makes ~120 of these calls, and each Python frame skipped saves ~0.5 us."""
-    if x.dim() == 2 and bias is None and not torch.compiler.is_compiling():
+    if x.dim() == 2 and bias is None and x.shape[0] < kernel.dense_rows and not torch.compiler.is_compiling():
         return launch(
             kernel.ops.qgemm, x, kernel.qweight, kernel.scales, kernel.mins, kernel.out_features, None,
             kernel.activation_bits,
@@ -316,7 +359,8 @@ def pick_quantized_gemm(
             # groups of 32 first: a 32-wide layer (a tensor-parallel rank's slice) is also one
             # group a row, and takes the kernel its wider counterpart takes
             if qw.group_size == 32 and (ops := gemv_ops()) is not None:
-                kernel = StreamingGroupGemm(qw, ops, 16 if exact_top else activation_bits)
+                # an LM head's exact top logits rest on qgemm's error bound: qgemm at every row count
+                kernel = StreamingGroupGemm(qw, ops, 16 if exact_top else activation_bits, NEVER if exact_top else None)
             elif qw.bits == 8 and qw.group_size == qw.shape[1]:
                 kernel = Int8PackGemm(qw)
             else:

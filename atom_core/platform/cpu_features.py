@@ -156,6 +156,12 @@ class CpuFeatures:
         them without avx512bw/vl/dq or avx_ne_convert."""
         return {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
 
+    @property
+    def amx_bf16(self) -> bool:
+        """Whether the CPU multiplies bfloat16 tiles in hardware (AMX: Sapphire Rapids and later),
+        where oneDNN's bfloat16 GEMM outruns Atom's integer kernels on a prompt's rows."""
+        return "amx_bf16" in self.flags
+
     def description(self) -> str:
         """The machine in one line, for a benchmark's report: the CPU's model and logical CPUs,
         the x86 flags that decide the kernels as the CPU has them, and the variant Atom runs

@@ -29,6 +29,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -821,10 +822,151 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   return y;
 }
 
+// ---- 4-bit groups against 8-bit activations at prompt sizes: the weight widened, AMX ----
+//
+// On CPUs that multiply bfloat16 matrices in hardware (AMX), a prompt's rows at act_bits 8
+// run faster through oneDNN's batch-reduce micro-kernel (`cpublas::brgemm`, as moe_cpu.cpp
+// calls it; float32 sums) on the weight widened to bfloat16 than through the integer dot
+// products above, although every call widens the weight again: a work item takes a panel of
+// DENSE_PANEL output columns, widens its groups (w = q * d + m in float32, exact, then
+// rounded) into bfloat16 VNNI pairs that stay in L2, and runs the micro-kernel over its rows.
+// x and w each round to bfloat16, 8 significant bits relative to each value: no coarser than
+// x rounded per group of 32 to int8 (relative to the group's largest), which it stands in
+// for. (At act_bits 16, keeping 16 bits a factor takes three such products, which on the
+// AMX host measured no faster than qgemm: docs/performance.md.) Not batch-invariant against
+// qgemm: Linear sends it only a prompt's many rows.
+
+namespace {
+
+constexpr int64_t DENSE_PANEL = 64;      // output columns a panel: four tiles
+constexpr int64_t DENSE_ROW_BLOCK = 32;  // rows a micro-kernel call
+
+inline uint32_t bf16_pair(float w0, float w1) {
+  return from_float<c10::BFloat16>(w0).x | static_cast<uint32_t>(from_float<c10::BFloat16>(w1).x) << 16;
+}
+
+// Panel `panel` (columns DENSE_PANEL * panel ..) of a 4-bit weight as bfloat16 VNNI pairs,
+// pairs[p * DENSE_PANEL + n] = column n's (k = 2p, 2p + 1), columns past the tiles zero. The
+// packing's 32-bit lane c of W_4j..4j+3 holds column c's k = 8j + 2h + i in nibble h of
+// half i: a pair is one lane's two halves, so each pair row is one 16-lane pass (vectorised).
+void widen_panel(const uint8_t* qp, const c10::Half* dp, const c10::Half* mp, int64_t tiles, int64_t groups,
+                 int64_t panel, uint32_t* pairs) {
+  constexpr int64_t per_panel = DENSE_PANEL / QCOLS;
+  for (int64_t u = 0; u < per_panel; ++u) {
+    const int64_t t = panel * per_panel + u;
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t* out = pairs + g * 16 * DENSE_PANEL + u * QCOLS;  // pair row 16 g, column 16 u
+      if (t >= tiles) {
+        for (int p = 0; p < 16; ++p) std::fill_n(out + p * DENSE_PANEL, QCOLS, 0u);
+        continue;
+      }
+      const int64_t tg = t * groups + g;
+      float s[QCOLS], m[QCOLS];
+      for (int c = 0; c < QCOLS; ++c) {
+        s[c] = to_float(dp[tg * QCOLS + c]);
+        m[c] = to_float(mp[tg * QCOLS + c]);
+      }
+      uint32_t v[4][QCOLS];
+      std::memcpy(v, qp + tg * 256, sizeof v);
+      for (int p = 0; p < 16; ++p)
+        for (int c = 0; c < QCOLS; ++c) {
+          const uint32_t word = v[p / 4][c] >> (4 * (p % 4));
+          out[p * DENSE_PANEL + c] = bf16_pair(static_cast<float>(word & 15u) * s[c] + m[c],
+                                               static_cast<float>((word >> 16) & 15u) * s[c] + m[c]);
+        }
+    }
+  }
+}
+
+}  // namespace
+
+// qgemm's product at act_bits 8 for 4-bit weights, through the widened weight (above).
+at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
+              "qgemm_dense takes x [M, K], float32, bfloat16 or float16, on CPU");
+  const int64_t M = x.size(0), K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && K > 0, "qgemm_dense takes K a multiple of 32, got ", K);
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
+                  qw.size(1) == groups && qw.size(2) == 256,
+              "qgemm_dense weight must be 4-bit, uint8 [ceil(N / 16), K / 32, 256]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
+                  d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
+              "qgemm_dense scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
+  auto y = atom::output(out, {M, N}, x.options(), "qgemm_dense");
+  if (M == 0 || N == 0) return y;
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "qgemm_dense bias must have N = ", N, " values, got ", bias->numel());
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const at::Tensor a = x.to(at::kBFloat16).contiguous();
+  const c10::BFloat16* ap = a.data_ptr<c10::BFloat16>();
+  const uint8_t* qp = qw.data_ptr<uint8_t>();
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  const c10::Half* mp = mn.data_ptr<c10::Half>();
+  // Work items: panels, split into chunks of rows only where too few panels would leave
+  // threads idle (each chunk widens its panel again).
+  const int64_t panels = (N + DENSE_PANEL - 1) / DENSE_PANEL, want = 4 * at::get_num_threads();
+  const int64_t blocks = (M + DENSE_ROW_BLOCK - 1) / DENSE_ROW_BLOCK;
+  const int64_t chunks = panels >= want ? 1 : std::min(blocks, (want + panels - 1) / panels);
+  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * DENSE_ROW_BLOCK;
+  auto run = [&](auto* yp) {
+    using T = std::remove_pointer_t<decltype(yp)>;
+    at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+      static thread_local std::vector<uint32_t> pairs;  // [K / 2, DENSE_PANEL]
+      static thread_local std::vector<float> c;         // [DENSE_ROW_BLOCK, DENSE_PANEL]
+      pairs.resize(std::max<size_t>(pairs.size(), K / 2 * DENSE_PANEL));
+      c.resize(std::max<size_t>(c.size(), DENSE_ROW_BLOCK * DENSE_PANEL));
+      const auto* wp = reinterpret_cast<const c10::BFloat16*>(pairs.data());
+      int64_t widened = -1;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t panel = item / chunks, chunk = item % chunks;
+        if (panel != widened) {
+          widen_panel(qp, dp, mp, tiles, groups, panel, pairs.data());
+          widened = panel;
+        }
+        const int64_t n0 = panel * DENSE_PANEL, cols = std::min(DENSE_PANEL, N - n0);
+        for (int64_t m0 = chunk * chunk_rows; m0 < std::min(M, (chunk + 1) * chunk_rows); m0 += DENSE_ROW_BLOCK) {
+          const int64_t mb = std::min(DENSE_ROW_BLOCK, M - m0);
+          at::native::cpublas::brgemm(mb, DENSE_PANEL, K, K, DENSE_PANEL, DENSE_PANEL, false, ap + m0 * K, wp, c.data(),
+                                      true);
+          for (int64_t r = 0; r < mb; ++r)
+            for (int64_t j = 0; j < cols; ++j)
+              yp[(m0 + r) * N + n0 + j] = from_float<T>(c[r * DENSE_PANEL + j] + (bp ? bp[n0 + j] : 0.f));
+        }
+      }
+      at::native::cpublas::brgemm_release(true);
+    });
+  };
+  if (xt == at::kFloat) run(y.data_ptr<float>());
+  else if (xt == at::kBFloat16) run(y.data_ptr<c10::BFloat16>());
+  else run(y.data_ptr<c10::Half>());
+  return y;
+}
+
+// Whether qgemm_dense's micro-kernel multiplies bfloat16 on this CPU (torch builds without
+// oneDNN's micro-kernels, or CPUs it does not support, raise): one small product, checked.
+bool dense_usable() {
+  try {
+    const int64_t m = 3, k = 4, n = DENSE_PANEL;
+    std::vector<c10::BFloat16> a(m * k, c10::BFloat16(1.f)), b(k * n, c10::BFloat16(1.f));
+    std::vector<float> c(m * n, 0.f);
+    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data(), b.data(), c.data(), true);
+    at::native::cpublas::brgemm_release(true);
+    return std::all_of(c.begin(), c.end(), [](float v) { return v == 4.f; });
+  } catch (...) {
+    return false;
+  }
+}
+
 // Also torch ops, `<ATOM_OPS_NS>::gemv` and `::qgemm`, so a traced graph (`atom_core.compile`) can call them.
 ATOM_TORCH_LIBRARY(ATOM_OPS_NS, m) {
   m.def("gemv(Tensor x, Tensor w, int N, Tensor? bias) -> Tensor");
   m.def("qgemm(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias, int act_bits=16) -> Tensor");
+  m.def("qgemm_dense(Tensor x, Tensor qw, Tensor d, Tensor mn, int N, Tensor? bias) -> Tensor");
 }
 ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
   m.impl("gemv", [](const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias) {
@@ -834,6 +976,10 @@ ATOM_TORCH_LIBRARY_IMPL(ATOM_OPS_NS, CPU, m) {
                      const c10::optional<at::Tensor>& bias, int64_t act_bits) {
     return qgemm(x, qw, d, mn, N, bias, act_bits, c10::nullopt);
   });
+  m.impl("qgemm_dense", [](const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+                           int64_t N, const c10::optional<at::Tensor>& bias) {
+    return qgemm_dense(x, qw, d, mn, N, bias, c10::nullopt);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -842,6 +988,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
   m.def("qgemm", &qgemm, "y = x @ w.T (+ bias), w in 4- or 8-bit groups of 32 (q * d + m) packed in tiles of 16 columns, x rounded per group to act_bits (16, or 8 for 4-bit w), any rows of x, batch-invariant (CPU)",
         py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("act_bits") = 16, py::arg("out") = py::none());
+  m.def("qgemm_dense", &qgemm_dense, "qgemm's product at act_bits 8 for 4-bit w, the weight widened to bfloat16 through oneDNN's micro-kernel: for a prompt's rows on CPUs with AMX (CPU)",
+        py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
+  m.def("dense_usable", &dense_usable, "whether qgemm_dense's bfloat16 micro-kernel runs on this CPU");
   m.attr("MAX_ROWS") = MAX_ROWS;
   m.attr("TILE") = TILE;
   m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);
