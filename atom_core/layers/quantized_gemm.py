@@ -118,7 +118,9 @@ class StreamingGroupGemm:
         if dense_rows is None:
             dense_rows = self.DENSE_ROWS if self.activation_bits == 8 and dense_prefill(ops) else NEVER
         elif dense_rows != NEVER and self.activation_bits != 8:
-            raise ValueError(f"qgemm_dense stands in for 8-bit activations of 4-bit weights, not {self.activation_bits}-bit")
+            raise ValueError(
+                f"qgemm_dense stands in for 8-bit activations of 4-bit weights, not {self.activation_bits}-bit"
+            )
         self.dense_rows = dense_rows
 
     def make_batch_invariant(self) -> None:
