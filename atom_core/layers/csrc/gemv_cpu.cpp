@@ -765,30 +765,42 @@ void qgemm_block(int, const QRows<ABITS>& xs, int64_t m, int64_t K, const uint8_
 
 }  // namespace
 
+// The arguments qgemm and qgemm_dense share, checked by name: x [M, K] on CPU, the packed
+// weight and its float16 scales and mins for N columns. Returns the weight's bits.
+int check_group_args(const char* name, const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
+                     const at::Tensor& mn, int64_t N) {
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
+              name, " takes x [M, K], float32, bfloat16 or float16, on CPU");
+  const int64_t K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && K > 0, name, " takes K a multiple of 32, got ", K);
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
+                  qw.size(1) == groups && (qw.size(2) == 256 || qw.size(2) == 512),
+              name, " weight must be uint8 [ceil(N / 16), K / 32, 256 (4 bits) or 512 (8 bits)]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
+                  d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
+              name, " scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
+  return qw.size(2) == 256 ? 4 : 8;
+}
+
+// A bias of N values as float32 (undefined where none is given).
+at::Tensor float_bias(const char* name, const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == N, name, " bias must have N = ", N, " values, got ", bias->numel());
+  return bias->to(at::kFloat).contiguous();
+}
+
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
                  const c10::optional<at::Tensor>& bias, int64_t act_bits, const c10::optional<at::Tensor>& out) {
   const auto xt = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "qgemm takes x [M, K], float32, bfloat16 or float16, on CPU");
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
-  TORCH_CHECK(K % 32 == 0 && K > 0, "qgemm takes K a multiple of 32, got ", K);
-  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
-                  qw.size(1) == groups && (qw.size(2) == 256 || qw.size(2) == 512),
-              "qgemm weight must be uint8 [ceil(N / 16), K / 32, 256 (4 bits) or 512 (8 bits)]");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
-                  d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
-              "qgemm scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
-  const int bits = qw.size(2) == 256 ? 4 : 8;
+  const int bits = check_group_args("qgemm", x, qw, d, mn, N);
   TORCH_CHECK(act_bits == 16 || (act_bits == 8 && bits == 4),
               "qgemm act_bits must be 16, or 8 with 4-bit weights; got act_bits ", act_bits, " with ", bits, "-bit weights");
   const at::Tensor xc = x.contiguous();
   auto y = atom::output(out, {M, N}, x.options(), "qgemm");
   if (M == 0 || N == 0) return y;
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "qgemm bias must have N = ", N, " values, got ", bias->numel());
-    bf = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bf = float_bias("qgemm", bias, N);
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const uint8_t* qp = qw.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
@@ -884,23 +896,11 @@ void widen_panel(const uint8_t* qp, const c10::Half* dp, const c10::Half* mp, in
 at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, int64_t N,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   const auto xt = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "qgemm_dense takes x [M, K], float32, bfloat16 or float16, on CPU");
   const int64_t M = x.size(0), K = x.size(1), groups = K / 32, tiles = (N + 15) / 16;
-  TORCH_CHECK(K % 32 == 0 && K > 0, "qgemm_dense takes K a multiple of 32, got ", K);
-  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.dim() == 3 && qw.size(0) == tiles &&
-                  qw.size(1) == groups && qw.size(2) == 256,
-              "qgemm_dense weight must be 4-bit, uint8 [ceil(N / 16), K / 32, 256]");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.is_contiguous() && mn.is_contiguous() &&
-                  d.numel() == tiles * groups * 16 && mn.numel() == tiles * groups * 16,
-              "qgemm_dense scales and mins must be float16 [ceil(N / 16), K / 32, 16]");
+  TORCH_CHECK(check_group_args("qgemm_dense", x, qw, d, mn, N) == 4, "qgemm_dense takes 4-bit weights, got 8-bit");
   auto y = atom::output(out, {M, N}, x.options(), "qgemm_dense");
   if (M == 0 || N == 0) return y;
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "qgemm_dense bias must have N = ", N, " values, got ", bias->numel());
-    bf = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bf = float_bias("qgemm_dense", bias, N);
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const at::Tensor a = x.to(at::kBFloat16).contiguous();
   const c10::BFloat16* ap = a.data_ptr<c10::BFloat16>();
