@@ -112,6 +112,29 @@ def test_json_schema_output_and_a_cut_reply(tool_server):  # noqa: F811
     assert cut.usage.output_tokens == 2
 
 
+def test_log_probabilities_whole_and_streamed_are_the_chat_replys(tool_server):  # noqa: F811
+    """`include` with message.output_text.logprobs: each token's entry, with `top_logprobs`
+    alternatives, as chat completions give them; streamed, the text's deltas carry them."""
+    ask = dict(model=model(tool_server), input=QUESTION, max_output_tokens=12, temperature=0)
+    chat = tool_server.chat.completions.create(
+        model=ask["model"], messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert len(want) == chat.usage.completion_tokens and all(len(e["top_logprobs"]) == 3 for e in want)
+    r = tool_server.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3)
+    assert r.output_text == chat.choices[0].message.content and r.top_logprobs == 3
+    assert [e.model_dump() for e in r.output[0].content[0].logprobs] == want
+    assert tool_server.responses.create(**ask).output[0].content[0].logprobs == []  # not asked for
+
+    events = list(tool_server.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3, stream=True))  # fmt: skip
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [e.model_dump() for d in deltas for e in d.logprobs] == want
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.model_dump() for e in done.logprobs] == want
+    assert [e.model_dump() for e in events[-1].response.output[0].content[0].logprobs] == want
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "says"),
     [
@@ -119,6 +142,9 @@ def test_json_schema_output_and_a_cut_reply(tool_server):  # noqa: F811
         ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
         ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "'input_image' are not supported"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+        ({"include": ["output_text.logprobs"]}, "include", "'output_text.logprobs' is not one of"),
+        ({"include": "message.output_text.logprobs"}, "include", "include must be a list"),
     ],
 )
 def test_what_cannot_be_served_is_a_400_naming_the_field(tool_server, extra, param, says):  # noqa: F811

@@ -220,6 +220,19 @@ def test_a_sampling_error_names_its_field_as_param(server):
     for field, value in (("temperature", -1), ("top_p", 2), ("stop", [""])):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", field: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.json()
+    # log probability counts: the API's own field named, the server's limit (vLLM's 20) and the value
+    messages = [{"role": "user", "content": "x"}]
+    for path, body, field in (
+        ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt": "x", "prompt_logprobs": 25}, "prompt_logprobs"),
+        ("completions", {"prompt": "x", "logprobs": -2}, "logprobs"),
+        ("chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat/completions", {"messages": messages, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ):
+        r = httpx.post(f"{server}/v1/{path}", json=body, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and str(body[field]) in error["message"], error
+        assert "max_logprobs=20" in error["message"] or body[field] < 0, error
 
 
 @pytest.mark.parametrize(

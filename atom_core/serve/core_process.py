@@ -99,7 +99,9 @@ class EngineCoreLoop:
     def ready(self) -> Ready:
         core = self.core
         assert core.config.max_model_len is not None
-        return Ready(core.config.max_model_len, core.vocab_size, core.kv_plan.num_blocks, self.rank)
+        return Ready(
+            core.config.max_model_len, core.vocab_size, core.kv_plan.num_blocks, self.rank, core.config.max_logprobs
+        )
 
     def serve(self, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         core = self.core

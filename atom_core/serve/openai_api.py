@@ -198,6 +198,18 @@ def build_app(
     ready = client.ready
     assert ready is not None
     max_model_len = ready.max_model_len
+
+    def logprob_count(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
+        """A count of log probabilities a request asks for, checked here so the 400 names the
+        API's field (the engine checks SamplingParams' `logprobs`)."""
+        n = _field(body, name, (int,), default)
+        limit = ready.max_logprobs
+        if n is not None and n < 0 and n != -1:
+            raise ApiError(400, f"{name} must be at least 0 (or -1, the whole vocabulary), got {n}", name)
+        if n is not None and limit != -1 and (n == -1 or n > limit):
+            raise ApiError(400, f"{name}={n} exceeds this server's max_logprobs={limit}", name)
+        return n
+
     metrics = Metrics()
     metrics.start(client.size)
     client.on_stats = metrics.engine_stats
@@ -681,7 +693,8 @@ def build_app(
         if body.get("tools"):
             raise ApiError(400, "tools are not supported on completions (chat completions take them)", "tools")
         params = sampling_params(body, 16)
-        logprobs = _field(body, "logprobs", (int,))
+        logprobs = logprob_count(body, "logprobs")
+        logprob_count(body, "prompt_logprobs")
         if logprobs is not None:
             params["logprobs"] = logprobs
         if _field(body, "echo", (bool,), False):
@@ -732,6 +745,7 @@ def build_app(
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
         params = sampling_params(body, None)
+        logprob_count(body, "prompt_logprobs")
         if isinstance(tools, AutoToolCalls) and not tools.parser.skip_special_tokens:
             params["skip_special_tokens"] = False  # the calls' markers are special tokens
         ids = truncated(chat_prompt(body), params)
@@ -742,7 +756,7 @@ def build_app(
                 )
             params["structured_output"] = {"json": tools.schema()}
         if _field(body, "logprobs", (bool,), False):
-            params["logprobs"] = _field(body, "top_logprobs", (int,), 0)
+            params["logprobs"] = logprob_count(body, "top_logprobs", 0)
         elif body.get("top_logprobs") is not None:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if params["max_tokens"] is None:

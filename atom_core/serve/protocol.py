@@ -40,6 +40,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     num_kv_blocks: int
     rank: int = 0
+    max_logprobs: int = 20  # how many log probabilities a token may ask for (-1: any)
 
 
 class Delta(msgspec.Struct):

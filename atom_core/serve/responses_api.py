@@ -4,7 +4,8 @@ and the chat reply (or its stream of chunks) becomes a Response (or its stream o
 
 What vLLM's `/v1/responses` serves without a store: text, function calls (`function_call`
 items, and `function_call_output` items sent back), reasoning (with `--reasoning-parser`), JSON
-output through `text.format`, streamed as OpenAI's typed events. `previous_response_id` and
+output through `text.format`, the tokens' log probabilities (`include` with
+"message.output_text.logprobs", and `top_logprobs`), streamed as OpenAI's typed events. `previous_response_id` and
 `background` need responses kept on the server, which Atom does not do: a 400 says so.
 """
 
@@ -22,7 +23,14 @@ import attrs
 SAME_FIELDS = ("model", "temperature", "top_p", "seed", "stream", "top_k", "min_p", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "chat_template_kwargs", "parallel_tool_calls")  # fmt: skip
 # Fields a response echoes back as they were asked (None where not given).
-ECHOED = ("instructions", "max_output_tokens", "metadata", "temperature", "top_p", "user", "previous_response_id")
+ECHOED = ("instructions", "max_output_tokens", "metadata", "temperature", "top_p", "user", "previous_response_id",
+          "top_logprobs")  # fmt: skip
+# `include` asks for these extra outputs; only the first has anything to add here (no
+# built-in tools, images or encrypted reasoning), and OpenAI refuses any other name.
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")  # fmt: skip
 
 
 class BadResponsesRequest(ValueError):
@@ -164,9 +172,27 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     form = chat_format(body.get("text"))
     if form is not None:
         chat["response_format"] = form
+    if LOGPROBS in included(body.get("include")):  # the chat path checks top_logprobs (0 to 20)
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs", 0)
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}
     return chat
+
+
+def included(include: Any) -> list[str]:
+    if include is None:
+        return []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise BadResponsesRequest(f"include must be a list of strings, got {include!r}", "include")
+    unknown = [x for x in include if x not in INCLUDABLE]
+    if unknown:
+        raise BadResponsesRequest(f"include: {unknown[0]!r} is not one of {', '.join(INCLUDABLE)}", "include")
+    return include
+
+
+def logprobs_of(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk's) token entries, which the Responses API lists as they are."""
+    return (choice.get("logprobs") or {}).get("content") or []
 
 
 def usage_of(chat_usage: dict[str, Any] | None, reasoning_text: str, count: Any) -> dict[str, Any] | None:
@@ -207,8 +233,11 @@ class ResponseShape:
         }  # fmt: skip
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+def message_item(
+    text: str, status: str = "completed", item_id: str | None = None, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    parts = [part] if status == "completed" else []
     return {"type": "message", "id": item_id or new_id("msg"), "role": "assistant", "status": status, "content": parts}
 
 
@@ -232,8 +261,8 @@ def response_of(shape: ResponseShape, completion: dict[str, Any], count: Any) ->
     reasoning_text = message.get("reasoning") or ""
     if reasoning_text:
         output.append(reasoning_item(reasoning_text))
-    if message.get("content"):
-        output.append(message_item(message["content"]))
+    if message.get("content"):  # every token's log probability, the reasoning's and calls' too, as vLLM's
+        output.append(message_item(message["content"], logprobs=logprobs_of(choice)))
     output += [call_item(c) for c in message.get("tool_calls") or []]
     incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
     usage = usage_of(completion.get("usage"), reasoning_text, count)
@@ -250,6 +279,7 @@ class OpenItem:
     index: int
     text: str = ""
     call: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] = attrs.field(factory=list)  # a message's tokens'
 
 
 @attrs.define
@@ -265,6 +295,9 @@ class ResponseEvents:
     open: OpenItem | None = None
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    # log probabilities of tokens whose text has not been streamed yet (held back by the
+    # detokenizer or a stop string): they go out with the message's next text
+    pending: list[dict[str, Any]] = attrs.field(factory=list)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -294,10 +327,12 @@ class ResponseEvents:
             return []
         out, where = [], {"item_id": o.id, "output_index": o.index}
         if o.kind == "message":
-            part = {"type": "output_text", "text": o.text, "annotations": [], "logprobs": []}
-            out.append(self.event("response.output_text.done", **where, content_index=0, text=o.text, logprobs=[]))
+            o.logprobs += self.pending
+            self.pending = []
+            item = message_item(o.text, item_id=o.id, logprobs=o.logprobs)
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", **where, content_index=0, text=o.text, logprobs=o.logprobs))  # fmt: skip
             out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-            item = message_item(o.text, item_id=o.id)
         elif o.kind == "reasoning":
             out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=o.text))
             part = {"type": "reasoning_text", "text": o.text}
@@ -318,16 +353,23 @@ class ResponseEvents:
         out: list[str] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            self.pending += logprobs_of(choice)
+            if (delta.get("reasoning") or delta.get("tool_calls")) and not delta.get("content"):
+                self.pending = []  # the reasoning's and the calls' tokens: a stream lists the text's alone
             if delta.get("reasoning"):
                 if self.open is None or self.open.kind != "reasoning":
                     out += self._open(
                         "reasoning", {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
                     )
                 out += self._text(delta["reasoning"], "response.reasoning_text.delta")
-            if delta.get("content"):
+            text_goes_on = self.pending and self.open is not None and self.open.kind == "message"
+            if delta.get("content") or text_goes_on:  # a token that adds no text yet (the end, say): ""
                 if self.open is None or self.open.kind != "message":
                     out += self._open("message", message_item("", "in_progress"))
-                out += self._text(delta["content"], "response.output_text.delta", logprobs=[])
+                assert self.open is not None
+                logprobs, self.pending = self.pending, []
+                self.open.logprobs += logprobs
+                out += self._text(delta.get("content") or "", "response.output_text.delta", logprobs=logprobs)
             for call in delta.get("tool_calls") or []:
                 arguments = (call.get("function") or {}).get("arguments") or ""
                 if call.get("id"):  # a new call (its first delta has its id and name)
