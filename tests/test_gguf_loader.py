@@ -20,7 +20,7 @@ from atom_core.engine.fetch import DEFAULT_MODEL_NAME, default_model_gguf, fetch
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE  # noqa: E402
 from atom_core.loading.gguf.blocks import load_blocks  # noqa: E402
 from atom_core.loading.gguf.convert import gguf_to_hf_folder  # noqa: E402
-from atom_core.loading.gguf.reader import GGUFReader, load_gguf  # noqa: E402
+from atom_core.loading.gguf.reader import load_gguf  # noqa: E402
 
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -74,20 +74,6 @@ def test_smollm2_weights_and_config_equal_transformers_gguf_loading(smollm2):
     assert config["bos_token_id"] == 1
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert config["torch_dtype"] == "float32"  # quantized source
-
-
-def test_atoms_reader_reads_what_ggufs_own_reads(smollm2):
-    """The reader Atom opens files with (a faster header parse) gives gguf's fields and tensors."""
-    theirs, ours = gguf.GGUFReader(smollm2[0]), GGUFReader(smollm2[0])
-    assert list(ours.fields) == list(theirs.fields) and len(ours.fields["tokenizer.ggml.tokens"].data) == 49152
-    for key, field in theirs.fields.items():
-        mine = ours.fields[key]
-        assert (mine.types, mine.offset, mine.data) == (field.types, field.offset, field.data), key
-        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(mine.parts, field.parts)), key
-    assert len(ours.tensors) == len(theirs.tensors)
-    for mine, tensor in zip(ours.tensors, theirs.tensors):
-        assert (mine.name, mine.tensor_type, mine.data_offset) == (tensor.name, tensor.tensor_type, tensor.data_offset)
-        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), mine.name
 
 
 def test_converted_tokenizer_is_transformers_own_from_the_file(smollm2):

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from atom_core.layers.quantized_weight import QuantizedWeight
 from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
-from atom_core.loading.gguf.reader import GGUFReader, _describe, _unpermute
+from atom_core.loading.gguf.reader import _describe, _unpermute
 
 _BLOCKS_FORMAT = "atom-gguf-blocks/1"
 
@@ -140,7 +140,7 @@ def write_gguf_blocks(gguf_path: str | os.PathLike[str], folder: str | os.PathLi
     recorded, so `quantization="auto"` knows which others to requantize. Written to a
     temporary name and renamed, so a reader never sees half a file.
     """
-    return _write_blocks(GGUFReader(gguf_path), Path(gguf_path).name, Path(folder))
+    return _write_blocks(gguf.GGUFReader(gguf_path), Path(gguf_path).name, Path(folder))
 
 
 def _write_blocks(reader: gguf.GGUFReader, source: str, folder: Path) -> Path:

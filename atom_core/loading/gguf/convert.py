@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, Keys
 from safetensors.torch import save_file
 
 from atom_core.loading.gguf.blocks import _write_blocks
-from atom_core.loading.gguf.reader import GGUFReader, _field, _load
+from atom_core.loading.gguf.reader import _field, _load
 
 
 def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
@@ -39,7 +39,7 @@ def gguf_to_hf_folder(gguf_path: str | os.PathLike[str], out_dir: str | os.PathL
         raise FileExistsError(f"{out_dir} already exists and is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
-    reader = GGUFReader(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)
     dtype = _storage_dtype(reader)
     config, state = _load(reader, dtype)
 
@@ -97,14 +97,10 @@ def _generation_config(reader: gguf.GGUFReader, config: dict) -> dict:
 def _save_tokenizer(gguf_path: Path, reader: gguf.GGUFReader, config: dict, out_dir: Path) -> None:
     """transformers' own GGUF tokenizer conversion, with the chat template checked on disk."""
     try:
-        # The class from the config already read: without `tokenizer_type`, transformers reads
-        # the whole file again (every tensor's header) only to rebuild that config.
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, tokenizer_type=config["model_type"]
-        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except ValueError:
-        # transformers reads the tokenizer of any GGUF file, but names a class only for the model
-        # types it knows (not deepseek_v2, say): the generic class then.
+        # transformers reads the tokenizer of any GGUF file, but picks its class from a config it
+        # rebuilds only for the architectures it knows (not deepseek2): the generic class then.
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name
         )

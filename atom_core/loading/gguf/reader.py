@@ -27,25 +27,7 @@ from gguf import MODEL_TENSOR, Keys
 
 from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, dequantize_tensor
 
-__all__ = ["GGUFReader", "load_gguf", "supported_architectures"]
-
-
-class GGUFReader(gguf.GGUFReader):
-    """gguf's reader, parsing the header from a plain ndarray view of the mapped file.
-
-    The parent slices a `numpy.memmap` once or twice per metadata item, and each slice of that
-    subclass runs Python-level bookkeeping; a 262k-token vocabulary (Gemma 3) is a million such
-    slices, which made opening the file take minutes. The plain view reads the same pages.
-    """
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain")
-        if plain is None or plain.base is not self.data:
-            plain = self._plain = self.data.view(np.ndarray)
-        dtype = np.dtype(dtype)
-        count = int(count)
-        arr = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+__all__ = ["load_gguf", "supported_architectures"]
 
 
 def supported_architectures() -> list[str]:
@@ -64,7 +46,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
     built from that config. Tied embeddings (no `output.weight` in the file) give no
     `lm_head.weight`.
     """
-    reader = GGUFReader(path)
+    reader = gguf.GGUFReader(path)
     return _load(reader, dtype)
 
 
