@@ -132,6 +132,22 @@ def test_hermes_calls_that_do_not_read_are_text_and_a_cut_last_call_leaves_the_o
     assert parser("hermes").parse(unclosed, final=True).calls == CALLS
 
 
+def test_a_tagged_parser_reads_on_from_its_last_closed_call_and_only_on_the_same_reply():
+    """One parser per reply, handed its text as it grows: what follows the calls already read is
+    read (not the whole again); a text that is not that reply grown is read from its start."""
+    one = parser("hermes")
+    calls = [ParsedCall("weather", json.dumps({"city": f"c{i}"})) for i in range(40)]
+    body = "".join(f'<tool_call>\n{{"name": "weather", "arguments": {c.arguments}}}\n</tool_call>\n' for c in calls)
+    for end in range(0, len(body) + 1, 7):
+        got = one.parse(body[:end], final=False).calls
+        assert got == calls[: body[:end].count("</tool_call>")]
+    assert one.parse(body, final=True).calls == calls
+    assert one.parse(HERMES, final=True).calls == CALLS  # another reply: read whole
+    bad = body + '<tool_call>\n{"name": "weather", "arguments": {"city": \n</tool_call>'
+    assert one.parse(body, final=False).calls == calls and one.parse(bad, final=False).malformed
+    assert one.parse(bad, final=True).malformed
+
+
 def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():
     tagged = '<|python_tag|>{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
     assert parser("llama3_json").parse(tagged, final=True).calls == CALLS[:1]

@@ -79,13 +79,19 @@ class TaggedToolParser(ToolParser):
         super().__init__(functions)
         opening, closing = re.escape(self.start), re.escape(self.end)
         self.pattern = re.compile(f"{opening}(.*?){closing}|{opening}(.*)\\Z", re.DOTALL)
+        # The closed calls read so far and the text they end at: a stream hands `parse` the
+        # same reply, longer each time, and reading only what follows them keeps a long reply
+        # of many calls from being read again whole on every delta.
+        self._read: tuple[str, list[ParsedCall]] = ("", [])
 
     def parse(self, text: str, final: bool) -> ParsedReply:
         begin = self.calls_begin(text)
         if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
-        calls = []
-        for closed, unclosed in self.pattern.findall(text, begin):
+        read, calls = self._read if text.startswith(self._read[0]) else ("", [])
+        calls = list(calls)
+        for match in self.pattern.finditer(text, max(begin, len(read))):
+            closed, unclosed = match.groups()
             if not closed and not final:  # the last call may still be written
                 break
             call = self.call(closed or unclosed)
@@ -94,6 +100,8 @@ class TaggedToolParser(ToolParser):
                     break
                 return ParsedReply(text, [], malformed=True)
             calls.append(call)
+            if closed:
+                self._read = (text[: match.end()], list(calls))
         content = text[:begin]
         return ParsedReply(content if content.strip() else None, calls)
 
