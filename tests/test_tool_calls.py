@@ -148,6 +148,18 @@ def test_a_tagged_parser_reads_on_from_its_last_closed_call_and_only_on_the_same
     assert one.parse(bad, final=True).malformed
 
 
+def test_llama3_json_reads_on_from_its_last_whole_call_and_only_on_the_same_reply():
+    one = parser("llama3_json")
+    calls = [ParsedCall("weather", json.dumps({"city": f"c{i}"})) for i in range(40)]
+    body = "; ".join(f'{{"name": "weather", "parameters": {c.arguments}}}' for c in calls)
+    for end in range(0, len(body) + 1, 5):
+        whole = parser("llama3_json").parse(body[:end], final=False)
+        assert one.parse(body[:end], final=False) == whole, end
+    assert one.parse(body, final=True).calls == calls
+    assert one.parse(LLAMA, final=True).calls == CALLS  # another reply: read whole
+    assert one.parse(body + '; {"city": "x"}', final=True).malformed  # a value that is no call
+
+
 def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():
     tagged = '<|python_tag|>{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
     assert parser("llama3_json").parse(tagged, final=True).calls == CALLS[:1]

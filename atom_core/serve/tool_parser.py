@@ -131,16 +131,38 @@ def json_calls(body: str, separator: str = "", lists: bool = False) -> list[Pars
     between them; with `lists`, lists of them too); None until the first is whole, or where a
     value is not a call. Text after the last whole value is not read: not written yet, or not
     calls."""
-    decoder, at, calls = json.JSONDecoder(), 0, list[ParsedCall]()
-    while rest := body[at:].lstrip().removeprefix(separator).lstrip():
-        try:
-            value, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
-            break
-        items = value if lists and isinstance(value, list) else [value]
-        found = [c for c in map(call_of, items) if c is not None]
-        if not found or len(found) < len(items):
-            return None
-        calls += found
-        at = len(body) - len(rest) + end
-    return calls or None
+    return JsonCallReader(separator, lists).read(body)
+
+
+class JsonCallReader:
+    """`json_calls` for one reply read again as it grows: the values already read are kept with
+    the text they end at, and a body that begins with that text is read on from there (a
+    stream's every delta would otherwise decode all of its calls again)."""
+
+    def __init__(self, separator: str = "", lists: bool = False):
+        self.lists = lists
+        self.gap = re.compile(r"\s*" + (f"(?:{re.escape(separator)}\\s*)?" if separator else ""))
+        self.decoder = json.JSONDecoder()
+        self.read_text, self.calls = "", list[ParsedCall]()
+
+    def read(self, body: str) -> list[ParsedCall] | None:
+        if not body.startswith(self.read_text):
+            self.read_text, self.calls = "", []
+        at, calls = len(self.read_text), list(self.calls)
+        while True:
+            gap = self.gap.match(body, at)
+            start = gap.end() if gap else at
+            if start >= len(body):
+                break
+            try:
+                value, end = self.decoder.raw_decode(body, start)
+            except json.JSONDecodeError:
+                break
+            items = value if self.lists and isinstance(value, list) else [value]
+            found = [c for c in map(call_of, items) if c is not None]
+            if not found or len(found) < len(items):
+                return None
+            calls += found
+            at = end
+            self.read_text, self.calls = body[:at], list(calls)
+        return calls or None

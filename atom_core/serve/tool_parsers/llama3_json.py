@@ -3,13 +3,19 @@ where the special token is kept), `{"name": ..., "parameters": {...}}`, several 
 
 from __future__ import annotations
 
-from atom_core.serve.tool_parser import ParsedReply, ToolParser, json_calls
+from typing import Any
+
+from atom_core.serve.tool_parser import JsonCallReader, ParsedReply, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
     start = "{"
+
+    def __init__(self, functions: dict[str, dict[str, Any]]):
+        super().__init__(functions)
+        self.reader = JsonCallReader(";")
 
     def calls_begin(self, text: str) -> int:
         body = text.lstrip()
@@ -26,7 +32,7 @@ class Llama3JsonToolParser(ToolParser):
         if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
         body = text[begin:].removeprefix(PYTHON_TAG)
-        calls = json_calls(body, ";")
+        calls = self.reader.read(body)
         if calls is None:  # not (yet) calls: wait for the end, then the whole reply is text
             return ParsedReply(text, [], malformed=True) if final and body.strip() else ParsedReply(None, [])
         return ParsedReply(None, calls)
