@@ -117,7 +117,18 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return value
 
 
-def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
+def logprob_count(body: dict[str, Any], name: str, limit: int, default: int | None = None) -> int | None:
+    """A count of log probabilities a request asks for, checked here so the 400 names the API's
+    field (the engine checks SamplingParams' `logprobs`); `limit`: the server's max_logprobs."""
+    n = _field(body, name, (int,), default)
+    if n is not None and n < 0 and n != -1:
+        raise ApiError(400, f"{name} must be at least 0 (or -1, the whole vocabulary), got {n}", name)
+    if n is not None and limit != -1 and (n == -1 or n > limit):
+        raise ApiError(400, f"{name}={n} exceeds this server's max_logprobs={limit}", name)
+    return n
+
+
+def sampling_params(body: dict[str, Any], default_max_tokens: int | None, max_logprobs: int) -> dict[str, Any]:
     """SamplingParams fields from an OpenAI request body (vLLM's extras included); its own
     validators name field, value and limit (checked again in the core)."""
     for name in REFUSED_FIELDS:
@@ -158,7 +169,7 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> dic
         "truncate_prompt_tokens": _field(body, "truncate_prompt_tokens", (int,)),
         "skip_special_tokens": _field(body, "skip_special_tokens", (bool,), True),
     }
-    prompt_logprobs = _field(body, "prompt_logprobs", (int,))
+    prompt_logprobs = logprob_count(body, "prompt_logprobs", max_logprobs)
     if prompt_logprobs is not None:
         params["prompt_logprobs"] = prompt_logprobs
     return params  # checked whole by `run`, once the endpoint has added its own fields
@@ -198,17 +209,6 @@ def build_app(
     ready = client.ready
     assert ready is not None
     max_model_len = ready.max_model_len
-
-    def logprob_count(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
-        """A count of log probabilities a request asks for, checked here so the 400 names the
-        API's field (the engine checks SamplingParams' `logprobs`)."""
-        n = _field(body, name, (int,), default)
-        limit = ready.max_logprobs
-        if n is not None and n < 0 and n != -1:
-            raise ApiError(400, f"{name} must be at least 0 (or -1, the whole vocabulary), got {n}", name)
-        if n is not None and limit != -1 and (n == -1 or n > limit):
-            raise ApiError(400, f"{name}={n} exceeds this server's max_logprobs={limit}", name)
-        return n
 
     metrics = Metrics()
     metrics.start(client.size)
@@ -692,9 +692,8 @@ def build_app(
         body = await read_body(request)
         if body.get("tools"):
             raise ApiError(400, "tools are not supported on completions (chat completions take them)", "tools")
-        params = sampling_params(body, 16)
-        logprobs = logprob_count(body, "logprobs")
-        logprob_count(body, "prompt_logprobs")
+        params = sampling_params(body, 16, ready.max_logprobs)
+        logprobs = logprob_count(body, "logprobs", ready.max_logprobs)
         if logprobs is not None:
             params["logprobs"] = logprobs
         if _field(body, "echo", (bool,), False):
@@ -744,8 +743,7 @@ def build_app(
             tools = tool_calls_for(body, tool_parser)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
-        params = sampling_params(body, None)
-        logprob_count(body, "prompt_logprobs")
+        params = sampling_params(body, None, ready.max_logprobs)
         if isinstance(tools, AutoToolCalls) and not tools.parser.skip_special_tokens:
             params["skip_special_tokens"] = False  # the calls' markers are special tokens
         ids = truncated(chat_prompt(body), params)
@@ -756,7 +754,7 @@ def build_app(
                 )
             params["structured_output"] = {"json": tools.schema()}
         if _field(body, "logprobs", (bool,), False):
-            params["logprobs"] = logprob_count(body, "top_logprobs", 0)
+            params["logprobs"] = logprob_count(body, "top_logprobs", ready.max_logprobs, 0)
         elif body.get("top_logprobs") is not None:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if params["max_tokens"] is None:

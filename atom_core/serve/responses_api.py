@@ -172,7 +172,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     form = chat_format(body.get("text"))
     if form is not None:
         chat["response_format"] = form
-    if LOGPROBS in included(body.get("include")):  # the chat path checks top_logprobs (0 to 20)
+    if LOGPROBS in included(body.get("include")):  # the chat path checks top_logprobs against max_logprobs
         chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs", 0)
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}

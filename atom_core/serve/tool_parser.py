@@ -79,18 +79,14 @@ class TaggedToolParser(ToolParser):
         super().__init__(functions)
         opening, closing = re.escape(self.start), re.escape(self.end)
         self.pattern = re.compile(f"{opening}(.*?){closing}|{opening}(.*)\\Z", re.DOTALL)
-        # The closed calls read so far and the text they end at: a stream hands `parse` the
-        # same reply, longer each time, and reading only what follows them keeps a long reply
-        # of many calls from being read again whole on every delta.
-        self._read: tuple[str, list[ParsedCall]] = ("", [])
+        self.read = CallsRead()
 
     def parse(self, text: str, final: bool) -> ParsedReply:
         begin = self.calls_begin(text)
         if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
-        read, calls = self._read if text.startswith(self._read[0]) else ("", [])
-        calls = list(calls)
-        for match in self.pattern.finditer(text, max(begin, len(read))):
+        at, calls = self.read.resume(text)
+        for match in self.pattern.finditer(text, max(begin, at)):
             closed, unclosed = match.groups()
             if not closed and not final:  # the last call may still be written
                 break
@@ -101,13 +97,32 @@ class TaggedToolParser(ToolParser):
                 return ParsedReply(text, [], malformed=True)
             calls.append(call)
             if closed:
-                self._read = (text[: match.end()], list(calls))
+                self.read.keep(text, match.end(), calls)
         content = text[:begin]
         return ParsedReply(content if content.strip() else None, calls)
 
     def call(self, body: str) -> ParsedCall | None:
         """One call from the text between the tags; None if it is not one."""
         raise NotImplementedError
+
+
+class CallsRead:
+    """The calls a parser has read whole from a reply, and the text they end at. A stream hands
+    a parser the same reply, longer each time; reading on from there keeps a long reply of many
+    calls from being read again whole on every delta. Text that does not begin with what was
+    read is another reply, read from its start."""
+
+    def __init__(self) -> None:
+        self.text, self.calls = "", list[ParsedCall]()
+
+    def resume(self, text: str) -> tuple[int, list[ParsedCall]]:
+        """Where to read `text` on from, and the calls before that point (a copy)."""
+        if not text.startswith(self.text):
+            self.text, self.calls = "", []
+        return len(self.text), list(self.calls)
+
+    def keep(self, text: str, end: int, calls: list[ParsedCall]) -> None:
+        self.text, self.calls = text[:end], list(calls)
 
 
 def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
@@ -135,20 +150,17 @@ def json_calls(body: str, separator: str = "", lists: bool = False) -> list[Pars
 
 
 class JsonCallReader:
-    """`json_calls` for one reply read again as it grows: the values already read are kept with
-    the text they end at, and a body that begins with that text is read on from there (a
-    stream's every delta would otherwise decode all of its calls again)."""
+    """`json_calls` for one reply read again as it grows, on from the values already read
+    (`CallsRead`), decoding in place."""
 
     def __init__(self, separator: str = "", lists: bool = False):
         self.lists = lists
         self.gap = re.compile(r"\s*" + (f"(?:{re.escape(separator)}\\s*)?" if separator else ""))
         self.decoder = json.JSONDecoder()
-        self.read_text, self.calls = "", list[ParsedCall]()
+        self.done = CallsRead()
 
     def read(self, body: str) -> list[ParsedCall] | None:
-        if not body.startswith(self.read_text):
-            self.read_text, self.calls = "", []
-        at, calls = len(self.read_text), list(self.calls)
+        at, calls = self.done.resume(body)
         while True:
             gap = self.gap.match(body, at)
             start = gap.end() if gap else at
@@ -164,5 +176,5 @@ class JsonCallReader:
                 return None
             calls += found
             at = end
-            self.read_text, self.calls = body[:at], list(calls)
+            self.done.keep(body, at, calls)
         return calls or None
