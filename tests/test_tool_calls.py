@@ -160,6 +160,38 @@ def test_llama3_json_reads_on_from_its_last_whole_call_and_only_on_the_same_repl
     assert one.parse(body + '; {"city": "x"}', final=True).malformed  # a value that is no call
 
 
+@pytest.mark.parametrize(
+    ("name", "write", "joiner", "opening", "closing"),
+    [
+        ("pythonic", lambda i: f'weather(city="c, {i}]", days={i})', ", ", "[", "]"),
+        ("pythonic", lambda i: f'weather(city="c{i}", days={i})', ",\n ", "<|python_start|>[", "]<|python_end|>"),
+        ("mistral", lambda i: f'{{"name": "weather", "arguments": {{"city": "c, {i}]", "days": {i}}}}}', ", ",
+         "Sure.[TOOL_CALLS] [", "]"),
+        ("mistral", lambda i: f'[TOOL_CALLS]weather[ARGS]{{"city": "c, {i}]", "days": {i}}}', "", "Sure.", ""),
+    ],
+)  # fmt: skip
+def test_list_and_named_calls_stream_one_by_one_reading_on_from_the_last(name, write, joiner, opening, closing):
+    """Pythonic and Mistral replies: each call is read once written whole (not when the list
+    closes), on from the calls already read, and a text that is not that reply grown is read
+    from its start; separators inside strings do not end a call."""
+    one = parser(name)
+    calls = [ParsedCall("weather", json.dumps({"city": f"c, {i}]" if "c, " in write(0) else f"c{i}", "days": i}))
+             for i in range(30)]  # fmt: skip
+    body = opening + joiner.join(write(i) for i in range(30)) + closing
+    ends = [len(opening + joiner.join(write(i) for i in range(n + 1))) for n in range(30)]
+    for end in range(0, len(body) + 1, 3):
+        got = one.parse(body[:end], final=False)
+        assert got == parser(name).parse(body[:end], final=False), end
+        assert not got.malformed and len(got.calls) >= sum(e < end for e in ends) - 1, end  # at most the last waits
+        assert got.calls == calls[: len(got.calls)]
+    assert one.parse(body, final=True).calls == calls
+    other = {"pythonic": PYTHONIC, "mistral": MISTRAL}[name]
+    assert one.parse(other, final=True).calls == CALLS  # another reply: read whole
+    if closing:  # a value that is no call, after calls that are
+        bad = body.removesuffix(closing) + joiner + "3" + closing
+        assert one.parse(bad, final=True).malformed and parser(name).parse(bad, final=True).malformed
+
+
 def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():
     tagged = '<|python_tag|>{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
     assert parser("llama3_json").parse(tagged, final=True).calls == CALLS[:1]

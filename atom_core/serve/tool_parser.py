@@ -114,15 +114,16 @@ class CallsRead:
 
     def __init__(self) -> None:
         self.text, self.calls = "", list[ParsedCall]()
+        self.state: Any = None  # a parser's own note on where the read stands (None on a new reply)
 
     def resume(self, text: str) -> tuple[int, list[ParsedCall]]:
         """Where to read `text` on from, and the calls before that point (a copy)."""
         if not text.startswith(self.text):
-            self.text, self.calls = "", []
+            self.text, self.calls, self.state = "", [], None
         return len(self.text), list(self.calls)
 
-    def keep(self, text: str, end: int, calls: list[ParsedCall]) -> None:
-        self.text, self.calls = text[:end], list(calls)
+    def keep(self, text: str, end: int, calls: list[ParsedCall], state: Any = None) -> None:
+        self.text, self.calls, self.state = text[:end], list(calls), state
 
 
 def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
@@ -151,7 +152,10 @@ def json_calls(body: str, separator: str = "", lists: bool = False) -> list[Pars
 
 class JsonCallReader:
     """`json_calls` for one reply read again as it grows, on from the values already read
-    (`CallsRead`), decoding in place."""
+    (`CallsRead`), decoding in place. With `lists`, a list's calls are read one by one as each is
+    written whole, not once the list closes."""
+
+    BLANKS = re.compile(r"\s*")
 
     def __init__(self, separator: str = "", lists: bool = False):
         self.lists = lists
@@ -161,20 +165,31 @@ class JsonCallReader:
 
     def read(self, body: str) -> list[ParsedCall] | None:
         at, calls = self.done.resume(body)
+        # where the read stands: None between values; in a list, "first" before its first
+        # element, "value" before a later one, "next" after one (a comma or the end comes)
+        inside = self.done.state
         while True:
-            gap = self.gap.match(body, at)
-            start = gap.end() if gap else at
+            blanks = (self.gap if inside is None else self.BLANKS).match(body, at)
+            start = blanks.end() if blanks else at
             if start >= len(body):
                 break
-            try:
-                value, end = self.decoder.raw_decode(body, start)
-            except json.JSONDecodeError:
-                break
-            items = value if self.lists and isinstance(value, list) else [value]
-            found = [c for c in map(call_of, items) if c is not None]
-            if not found or len(found) < len(items):
-                return None
-            calls += found
-            at = end
-            self.done.keep(body, at, calls)
+            if inside == "next":
+                if body[start] not in ",]":
+                    return None
+                at, inside = start + 1, ("value" if body[start] == "," else None)
+            elif inside is None and self.lists and body[start] == "[":
+                at, inside = start + 1, "first"
+            else:
+                if inside == "first" and body[start] == "]":
+                    return None  # an empty list: no calls
+                try:
+                    value, at = self.decoder.raw_decode(body, start)
+                except json.JSONDecodeError:
+                    break  # not written whole yet (or not JSON: nothing more is read)
+                call = call_of(value)
+                if call is None:
+                    return None
+                calls.append(call)
+                inside = None if inside is None else "next"
+        self.done.keep(body, at, calls, inside)
         return calls or None

@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+from typing import Any
 
-from atom_core.serve.tool_parser import ParsedCall, ParsedReply, ToolParser
+from atom_core.serve.tool_parser import CallsRead, ParsedCall, ParsedReply, ToolParser
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+SEPARATOR = re.compile(r"[,\]]")
 
 
 class PythonicToolParser(ToolParser):
+    """Each call is read once it is written whole, on from the last one as the reply grows: an
+    element of the list ends at the first comma or closing bracket after which its text parses
+    (a comma inside a string or a call's arguments leaves it unbalanced; one after a whole
+    expression is the list's)."""
+
     start = "["
+
+    def __init__(self, functions: dict[str, dict[str, Any]]):
+        super().__init__(functions)
+        self.read = CallsRead()
 
     def calls_begin(self, text: str) -> int:
         body = text.lstrip()
@@ -24,17 +36,33 @@ class PythonicToolParser(ToolParser):
         return len(text) if not body or PYTHON_START.startswith(body) else 0
 
     def parse(self, text: str, final: bool) -> ParsedReply:
-        if self.calls_begin(text) < 0:
+        begin = self.calls_begin(text)
+        if begin < 0:
             return ParsedReply(text if text.strip() else None, [])
-        source = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
-        try:
-            tree = ast.parse(source, mode="eval").body
-        except SyntaxError:  # not written whole yet, or not Python
-            return ParsedReply(text, [], malformed=True) if final else ParsedReply(None, [])
-        calls = [call(node) for node in tree.elts] if isinstance(tree, ast.List) else [None]
-        if not calls or any(c is None for c in calls):
-            return ParsedReply(text, [], malformed=True)
-        return ParsedReply(None, [c for c in calls if c is not None])
+        at, calls = self.read.resume(text)
+        element = self.read.state  # where the element being read starts; -1 once the list closed
+        if element is None:
+            at = element = text.index("[", begin) + 1
+        while element >= 0 and (sep := SEPARATOR.search(text, at)):
+            at = sep.end()
+            source = text[element : sep.start()].strip()
+            if not source and sep.group() == "]" and calls:
+                element = -1  # a trailing comma: `[f(), ]`
+                continue
+            try:
+                node = ast.parse(source, mode="eval").body
+            except (SyntaxError, ValueError):  # the separator is inside the element (or it is no Python)
+                continue
+            found = call(node)
+            if found is None:
+                return ParsedReply(text, [], malformed=True)
+            calls.append(found)
+            element = at if sep.group() == "," else -1
+        self.read.keep(text, at, calls, element)
+        tail = text[at:].strip() if element < 0 else ""  # after the list: its closing tag at most
+        if (final and element >= 0) or (tail not in ("", PYTHON_END) and (final or not PYTHON_END.startswith(tail))):
+            return ParsedReply(text, [], malformed=True)  # not closed at the end, or more than calls
+        return ParsedReply(None, calls)
 
 
 def call(node: ast.expr) -> ParsedCall | None:
