@@ -190,6 +190,10 @@ def test_list_and_named_calls_stream_one_by_one_reading_on_from_the_last(name, w
     if closing:  # a value that is no call, after calls that are
         bad = body.removesuffix(closing) + joiner + "3" + closing
         assert one.parse(bad, final=True).malformed and parser(name).parse(bad, final=True).malformed
+        # a list still open at the end (max_tokens) streamed its calls, but is no calls as a whole
+        cut = body[: ends[3] + len(joiner) + 5]
+        assert parser(name).parse(cut, final=False).calls == calls[:4]
+        assert parser(name).parse(cut, final=True) == type(got)(cut, [], malformed=True)
 
 
 def test_llama3_json_takes_the_python_tag_and_arguments_written_as_text():

@@ -143,17 +143,17 @@ def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "paramete
 
 
 def json_calls(body: str, separator: str = "", lists: bool = False) -> list[ParsedCall] | None:
-    """The calls written whole so far as JSON call objects one after another (`separator`
-    between them; with `lists`, lists of them too); None until the first is whole, or where a
-    value is not a call. Text after the last whole value is not read: not written yet, or not
-    calls."""
-    return JsonCallReader(separator, lists).read(body)
+    """A whole reply's calls as `JsonCallReader` reads them, at once."""
+    return JsonCallReader(separator, lists).read(body, final=True)
 
 
 class JsonCallReader:
-    """`json_calls` for one reply read again as it grows, on from the values already read
-    (`CallsRead`), decoding in place. With `lists`, a list's calls are read one by one as each is
-    written whole, not once the list closes."""
+    """JSON call objects one after another (`separator` between them; with `lists`, lists of
+    them too), for one reply read again as it grows: the calls written whole so far, None until
+    the first is whole or where a value is not a call. Text after the last whole value is not
+    read (not written yet, or not calls). It reads on from the values already read
+    (`CallsRead`), decoding in place, and a list's calls one by one as each is written whole;
+    once the reply is final, a list that never closed counts for none of them."""
 
     BLANKS = re.compile(r"\s*")
 
@@ -163,11 +163,12 @@ class JsonCallReader:
         self.decoder = json.JSONDecoder()
         self.done = CallsRead()
 
-    def read(self, body: str) -> list[ParsedCall] | None:
+    def read(self, body: str, final: bool = False) -> list[ParsedCall] | None:
         at, calls = self.done.resume(body)
         # where the read stands: None between values; in a list, "first" before its first
-        # element, "value" before a later one, "next" after one (a comma or the end comes)
-        inside = self.done.state
+        # element, "value" before a later one, "next" after one (a comma or the end comes);
+        # and how many calls came before the list
+        inside, before = self.done.state or (None, 0)
         while True:
             blanks = (self.gap if inside is None else self.BLANKS).match(body, at)
             start = blanks.end() if blanks else at
@@ -178,7 +179,7 @@ class JsonCallReader:
                     return None
                 at, inside = start + 1, ("value" if body[start] == "," else None)
             elif inside is None and self.lists and body[start] == "[":
-                at, inside = start + 1, "first"
+                at, inside, before = start + 1, "first", len(calls)
             else:
                 if inside == "first" and body[start] == "]":
                     return None  # an empty list: no calls
@@ -191,5 +192,7 @@ class JsonCallReader:
                     return None
                 calls.append(call)
                 inside = None if inside is None else "next"
-        self.done.keep(body, at, calls, inside)
+        self.done.keep(body, at, calls, (inside, before) if inside else None)
+        if final and inside is not None:
+            calls = calls[:before]
         return calls or None

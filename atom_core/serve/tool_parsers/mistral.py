@@ -32,7 +32,7 @@ class MistralToolParser(ToolParser):
         content = text[:begin] if text[:begin].strip() else None
         body = text[begin + len(TOOL_CALLS) :].lstrip()
         if body[:1] in ("[", "{") or (not body and not final):
-            calls = self.listed.read(body)
+            calls = self.listed.read(body, final)
         else:
             calls = self.named.read(text[begin:], final)
         if calls is None:  # not (yet) calls: wait for the end, then the whole reply is text
