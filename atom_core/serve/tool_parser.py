@@ -142,11 +142,6 @@ def call_of(item: Any, arguments_keys: tuple[str, ...] = ("arguments", "paramete
     return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def json_calls(body: str, separator: str = "", lists: bool = False) -> list[ParsedCall] | None:
-    """A whole reply's calls as `JsonCallReader` reads them, at once."""
-    return JsonCallReader(separator, lists).read(body, final=True)
-
-
 class JsonCallReader:
     """JSON call objects one after another (`separator` between them; with `lists`, lists of
     them too), for one reply read again as it grows: the calls written whole so far, None until
