@@ -542,180 +542,244 @@ template <int S>
 inline vi srli16(vi a) { return _mm256_srli_epi16(a, S); }
 #endif
 
-// Chains of integer sums a row: exact, so how they are split is free. With vpdpwssd a single
-// row gets four, or its latency (not the weight stream) sets the pace: a 1-row LM head ran
-// slower than a 2-row one.
-template <int MB>
-constexpr int kChains = kColVecs == 1 ? (MB == 1 ? 4 : 2) : (MB == 1 ? 2 : 1);
+// Tiles a pass takes side by side (NT). With 32 registers two, from STREAM_ROWS rows on:
+// every broadcast x word then serves both tiles' weight vectors, half the broadcasts and
+// chain sums a product, which (not the multipliers) had set the pace at 8 and more rows.
+// At fewer rows the weights stream from memory, and one stream a thread read faster than two.
+// With 16 registers one.
+constexpr int kPassTiles = simd::kRegisters == 32 ? 2 : 1;
+constexpr int64_t STREAM_ROWS = 3;
 
-// W_4j .. W_4j+3 of a tile-group, the columns of vector c.
-template <int BITS>
-inline void load_w(const uint8_t* tg, int j, int c, vi (&w)[4]) {
+// Chains of integer sums a row and vector (NV of them): exact, so how they are split is free.
+// Enough sums in flight that vpdpwssd's latency (not the weight stream) does not set the
+// pace: a 1-row LM head once ran slower than a 2-row one.
+template <int MB, int NV>
+constexpr int kChains = NV == 1 ? (MB == 1 ? 4 : 2) : (MB == 1 || (simd::kRegisters == 32 && MB < 4) ? 2 : 1);
+
+// Where vector v's 64-byte block j of a pass's tile-groups starts: vector v is tile
+// v / kColVecs, part v % kColVecs of its 16 columns.
+template <int NT>
+inline const uint8_t* vec_block(const uint8_t* const (&tg)[NT], int v, int j) {
+  return tg[v / kColVecs] + j * 64 + (v % kColVecs) * (64 / kColVecs);
+}
+
+// W_4j .. W_4j+3 of vector v of a pass's tile-groups.
+template <int BITS, int NT>
+inline void load_w(const uint8_t* const (&tg)[NT], int j, int v, vi (&w)[4]) {
   if constexpr (BITS == 4) {  // int16 lane i: the four vectors' values in its four nibbles
-    const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
-    w[0] = and_vi(v, 0x0F);
-    w[1] = and_vi(srli16<4>(v), 0x0F);
-    w[2] = and_vi(srli16<8>(v), 0x0F);
-    w[3] = srli16<12>(v);
+    const vi x = load_vi(vec_block(tg, v, j));
+    w[0] = and_vi(x, 0x0F);
+    w[1] = and_vi(srli16<4>(x), 0x0F);
+    w[2] = and_vi(srli16<8>(x), 0x0F);
+    w[3] = srli16<12>(x);
   } else {
-    UNROLL for (int h = 0; h < 4; ++h) w[h] = widen_u8(tg + (4 * j + h) * 32 + c * (32 / kColVecs));
+    UNROLL for (int h = 0; h < 4; ++h) w[h] = widen_u8(tg[v / kColVecs] + (4 * j + h) * 32 + (v % kColVecs) * (32 / kColVecs));
   }
 }
 
-// W_p of a tile-group, the columns of vector c (the two-halves path).
-template <int BITS>
-inline vi weight_vector(const uint8_t* tg, int p, int c) {
+// W_p of vector v of a pass's tile-groups (one vector at a time: the 16-register path).
+template <int BITS, int NT>
+inline vi weight_vector(const uint8_t* const (&tg)[NT], int p, int v) {
   if constexpr (BITS == 4) {
-    const vi v = load_vi(tg + (p / 4) * 64 + c * (64 / kColVecs));
+    const vi x = load_vi(vec_block(tg, v, p / 4));
     switch (p % 4) {
-      case 0: return and_vi(v, 0x0F);
-      case 1: return and_vi(srli16<4>(v), 0x0F);
-      case 2: return and_vi(srli16<8>(v), 0x0F);
-      default: return srli16<12>(v);
+      case 0: return and_vi(x, 0x0F);
+      case 1: return and_vi(srli16<4>(x), 0x0F);
+      case 2: return and_vi(srli16<8>(x), 0x0F);
+      default: return srli16<12>(x);
     }
   } else {
-    return widen_u8(tg + p * 32 + c * (32 / kColVecs));
+    return widen_u8(tg[v / kColVecs] + p * 32 + (v % kColVecs) * (32 / kColVecs));
   }
 }
 
-// One tile-group's integer sums for rows m0 .. m0 + MB: total[m][c] = sum over k of q qx,
-// column by lane of vector c. xq: the group's words, row m's word w at xq[w * QROWS + m].
-template <int MB, int BITS>
-inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kColVecs], std::integral_constant<int, 16>) {
-  constexpr int CH = kChains<MB>;
-  vi sums[MB][kColVecs][CH];
+// The integer sums of one group of a pass's tiles for rows m0 .. m0 + MB: total[m][v] = sum
+// over k of q qx, a column a lane of vector v. xq: the group's words, row m's word w at
+// xq[w * QROWS + m].
+template <int MB, int NT, int BITS>
+inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&total)[MB][NT * kColVecs],
+                       std::integral_constant<int, 16>) {
+  constexpr int NV = NT * kColVecs, CH = kChains<MB, NV>;
+  vi sums[MB][NV][CH];
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c)
-      UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
-  if constexpr (kColVecs == 1) {  // four weight vectors unpacked at once, each serving every row
+    UNROLL for (int v = 0; v < NV; ++v)
+      UNROLL for (int h = 0; h < CH; ++h) sums[m][v][h] = vi_zero();
+  if constexpr (simd::kRegisters == 32) {  // four weight vectors a column vector unpacked at once, each serving every row
     UNROLL for (int j = 0; j < 4; ++j) {
-      vi w[4];
-      load_w<BITS>(tg, j, 0, w);
+      vi w[NV][4];
+      UNROLL for (int v = 0; v < NV; ++v) load_w<BITS, NT>(tg, j, v, w[v]);
       UNROLL for (int m = 0; m < MB; ++m) {
-        UNROLL for (int h = 0; h < 4; ++h)
-          sums[m][0][h % CH] = dot_pairs(sums[m][0][h % CH], w[h], vi_set1(xq[(4 * j + h) * QROWS + m]));
+        UNROLL for (int h = 0; h < 4; ++h) {
+          const vi xb = vi_set1(xq[(4 * j + h) * QROWS + m]);
+          UNROLL for (int v = 0; v < NV; ++v) sums[m][v][h % CH] = dot_pairs(sums[m][v][h % CH], w[v][h], xb);
+        }
       }
     }
   } else {
     // One weight vector (both halves) at a time against every row: with 16 registers,
     // unpacking four at once and broadcasting each x pair for both halves spilled them all.
     UNROLL for (int p = 0; p < 16; ++p) {
-      vi w[kColVecs];
-      UNROLL for (int c = 0; c < kColVecs; ++c) w[c] = weight_vector<BITS>(tg, p, c);
+      vi w[NV];
+      UNROLL for (int v = 0; v < NV; ++v) w[v] = weight_vector<BITS, NT>(tg, p, v);
       UNROLL for (int m = 0; m < MB; ++m) {
         const vi xb = vi_set1(xq[p * QROWS + m]);
-        UNROLL for (int c = 0; c < kColVecs; ++c) sums[m][c][p % CH] = dot_pairs(sums[m][c][p % CH], w[c], xb);
+        UNROLL for (int v = 0; v < NV; ++v) sums[m][v][p % CH] = dot_pairs(sums[m][v][p % CH], w[v], xb);
       }
     }
   }
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      total[m][c] = sums[m][c][0];
-      UNROLL for (int h = 1; h < CH; ++h) total[m][c] = vi_add(total[m][c], sums[m][c][h]);
+    UNROLL for (int v = 0; v < NV; ++v) {
+      total[m][v] = sums[m][v][0];
+      UNROLL for (int h = 1; h < CH; ++h) total[m][v] = vi_add(total[m][v], sums[m][v][h]);
     }
 }
 
-template <int MB, int BITS>
-inline void group_sums(const uint8_t* tg, const int32_t* xq, vi (&total)[MB][kColVecs], std::integral_constant<int, 8>) {
+template <int MB, int NT, int BITS>
+inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&total)[MB][NT * kColVecs],
+                       std::integral_constant<int, 8>) {
   static_assert(BITS == 4, "int8 activations take 4-bit weights");
+  constexpr int NV = NT * kColVecs;
 #if defined(QGEMM_DOT_QUADS)  // AVX-512 VNNI or AVX-VNNI
-  constexpr int CH = kChains<MB>;
-  vi sums[MB][kColVecs][CH];
+  constexpr int CH = kChains<MB, NV>;
+  vi sums[MB][NV][CH];
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c)
-      UNROLL for (int h = 0; h < CH; ++h) sums[m][c][h] = vi_zero();
+    UNROLL for (int v = 0; v < NV; ++v)
+      UNROLL for (int h = 0; h < CH; ++h) sums[m][v][h] = vi_zero();
   UNROLL for (int j = 0; j < 4; ++j) {
-    vi lo[kColVecs], hi[kColVecs];
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
-      lo[c] = and_vi(v, 0x0F0F);
-      hi[c] = and_vi(srli16<4>(v), 0x0F0F);
+    vi lo[NV], hi[NV];
+    UNROLL for (int v = 0; v < NV; ++v) {
+      const vi x = load_vi(vec_block(tg, v, j));
+      lo[v] = and_vi(x, 0x0F0F);
+      hi[v] = and_vi(srli16<4>(x), 0x0F0F);
     }
     UNROLL for (int m = 0; m < MB; ++m) {
       const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
-      UNROLL for (int c = 0; c < kColVecs; ++c) {
-        sums[m][c][(2 * j) % CH] = dot_quads(sums[m][c][(2 * j) % CH], lo[c], xa);
-        sums[m][c][(2 * j + 1) % CH] = dot_quads(sums[m][c][(2 * j + 1) % CH], hi[c], xb);
+      UNROLL for (int v = 0; v < NV; ++v) {
+        sums[m][v][(2 * j) % CH] = dot_quads(sums[m][v][(2 * j) % CH], lo[v], xa);
+        sums[m][v][(2 * j + 1) % CH] = dot_quads(sums[m][v][(2 * j + 1) % CH], hi[v], xb);
       }
     }
   }
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      total[m][c] = sums[m][c][0];
-      UNROLL for (int h = 1; h < CH; ++h) total[m][c] = vi_add(total[m][c], sums[m][c][h]);
+    UNROLL for (int v = 0; v < NV; ++v) {
+      total[m][v] = sums[m][v][0];
+      UNROLL for (int h = 1; h < CH; ++h) total[m][v] = vi_add(total[m][v], sums[m][v][h]);
     }
 #else
-  // Each row's pair of x words broadcast once and used against both halves' nibbles.
-  vi s16[MB][kColVecs];
+  // Each row's pair of x words broadcast once and used against every vector's nibbles.
+  vi s16[MB][NV];
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c) s16[m][c] = vi_zero();
+    UNROLL for (int v = 0; v < NV; ++v) s16[m][v] = vi_zero();
   UNROLL for (int j = 0; j < 4; ++j) {
-    vi lo[kColVecs], hi[kColVecs];
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      const vi v = load_vi(tg + j * 64 + c * (64 / kColVecs));
-      lo[c] = and_vi(v, 0x0F0F);
-      hi[c] = and_vi(srli16<4>(v), 0x0F0F);
+    vi lo[NV], hi[NV];
+    UNROLL for (int v = 0; v < NV; ++v) {
+      const vi x = load_vi(vec_block(tg, v, j));
+      lo[v] = and_vi(x, 0x0F0F);
+      hi[v] = and_vi(srli16<4>(x), 0x0F0F);
     }
     UNROLL for (int m = 0; m < MB; ++m) {
       const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
-      UNROLL for (int c = 0; c < kColVecs; ++c) s16[m][c] = madd_bytes(madd_bytes(s16[m][c], lo[c], xa), hi[c], xb);
+      UNROLL for (int v = 0; v < NV; ++v) s16[m][v] = madd_bytes(madd_bytes(s16[m][v], lo[v], xa), hi[v], xb);
     }
   }
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c) total[m][c] = widen_pairs(s16[m][c]);
+    UNROLL for (int v = 0; v < NV; ++v) total[m][v] = widen_pairs(s16[m][v]);
 #endif
 }
 
-// Columns [16 t, 16 t + cols) for rows m0 .. m0 + MB of x.
-template <int MB, int BITS, int ABITS, typename T>
+// One pass: columns [16 t, 16 t + 16) of each tile t of `tiles` (NT of them, the
+// tile's weight at wt + t * tile_bytes, its scales and mins at dt and mt + t * K / 2), rows
+// m0 .. m0 + MB of x; cols[t] columns of tile t are written (0: none). Each column gets the
+// same float operations in the same order as in any other pass or row count.
+template <int MB, int NT, int BITS, int ABITS, typename T>
 void qgemm_tile(const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
-                const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
+                const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[NT],
+                int64_t tile_bytes, const int (&cols)[NT]) {
   constexpr int64_t GROUP_BYTES = BITS * 64;  // 16 columns x 32 values
-  constexpr int W = QRows<ABITS>::WORDS;
+  constexpr int W = QRows<ABITS>::WORDS, NV = NT * kColVecs;
   const int64_t groups = K / 32;
-  vf acc[MB][kColVecs];
+  const uint8_t* base[NT];
+  const c10::Half *dbase[NT], *mbase[NT];
+  UNROLL for (int t = 0; t < NT; ++t) {
+    base[t] = wt + tiles[t] * tile_bytes;
+    dbase[t] = dt + tiles[t] * groups * QCOLS;
+    mbase[t] = mt + tiles[t] * groups * QCOLS;
+  }
+  vf acc[MB][NV];
   UNROLL for (int m = 0; m < MB; ++m)
-    UNROLL for (int c = 0; c < kColVecs; ++c) acc[m][c] = simd::zero();
+    UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = simd::zero();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* tg = wt + g * GROUP_BYTES;
-    for (int64_t off = 0; off < GROUP_BYTES; off += 64)  // a few groups ahead: the tile is one stream
-      simd::prefetch_stream(tg + PREFETCH_GROUPS * GROUP_BYTES + off);
-    simd::prefetch_l2(dt + (g + PREFETCH_GROUPS) * QCOLS);
-    simd::prefetch_l2(mt + (g + PREFETCH_GROUPS) * QCOLS);
-    vi total[MB][kColVecs];
-    group_sums<MB, BITS>(tg, xs.q.data() + xs.word(m0, W * g), total, std::integral_constant<int, ABITS>{});
-    UNROLL for (int c = 0; c < kColVecs; ++c) {
-      const vf dv = simd::load(dt + g * QCOLS + c * L), mv = simd::load(mt + g * QCOLS + c * L);
+    const uint8_t* tg[NT];
+    UNROLL for (int t = 0; t < NT; ++t) {
+      tg[t] = base[t] + g * GROUP_BYTES;
+      if (m0 > 0) continue;  // the first rows' pass brought the tiles in
+      // A few groups ahead in each tile's stream; past its end, in the tile the next pass
+      // reads in its place (the tile after it is this pass's other one).
+      const int64_t ahead = g + PREFETCH_GROUPS / NT, skip = ahead >= groups ? NT - 1 : 0;
+      const uint8_t* wnext = base[t] + ahead * GROUP_BYTES + skip * tile_bytes;
+      for (int64_t off = 0; off < GROUP_BYTES; off += 64) simd::prefetch_stream(wnext + off);
+      simd::prefetch_l2(dbase[t] + ahead * QCOLS + skip * groups * QCOLS);
+      simd::prefetch_l2(mbase[t] + ahead * QCOLS + skip * groups * QCOLS);
+    }
+    vi total[MB][NV];
+    group_sums<MB, NT, BITS>(tg, xs.q.data() + xs.word(m0, W * g), total, std::integral_constant<int, ABITS>{});
+    UNROLL for (int v = 0; v < NV; ++v) {
+      const int t = v / kColVecs, c = v % kColVecs;
+      const vf dv = simd::load(dbase[t] + g * QCOLS + c * L), mv = simd::load(mbase[t] + g * QCOLS + c * L);
       UNROLL for (int m = 0; m < MB; ++m) {
         const int64_t xg = xs.group(m0, g) + m;
-        acc[m][c] = simd::fmadd(vi_to_float(total[m][c]), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][c]);
-        acc[m][c] = simd::fmadd(mv, simd::set1(xs.sum[xg]), acc[m][c]);
+        acc[m][v] = simd::fmadd(vi_to_float(total[m][v]), simd::mul(dv, simd::set1(xs.scale[xg])), acc[m][v]);
+        acc[m][v] = simd::fmadd(mv, simd::set1(xs.sum[xg]), acc[m][v]);
       }
     }
   }
   UNROLL for (int m = 0; m < MB; ++m) {
-    alignas(64) float out[QCOLS];
-    UNROLL for (int c = 0; c < kColVecs; ++c) simd::store(out + c * L, acc[m][c]);
-    T* row = y + (m0 + m) * N + n0;
-    for (int c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+    T* row = y + (m0 + m) * N;
+    if constexpr (std::is_same_v<T, float>) {
+      // Whole float32 tiles as vectors: a prompt's rows write lines not in cache, and a
+      // store a value filled the store buffer while they came.
+      bool whole = true;
+      UNROLL for (int t = 0; t < NT; ++t) whole = whole && (cols[t] == QCOLS || cols[t] == 0);
+      if (whole) {
+        UNROLL for (int v = 0; v < NV; ++v) {
+          const int t = v / kColVecs;
+          if (cols[t] == 0) continue;
+          const int64_t n = tiles[t] * QCOLS + (v % kColVecs) * L;
+          simd::store(row + n, bias ? simd::add(acc[m][v], simd::load(bias + n)) : acc[m][v]);
+        }
+        continue;
+      }
+    }
+    alignas(64) float out[NT * QCOLS];
+    UNROLL for (int v = 0; v < NV; ++v) simd::store(out + v * L, acc[m][v]);
+    UNROLL for (int t = 0; t < NT; ++t) {
+      const int64_t n0 = tiles[t] * QCOLS;
+      for (int c = 0; c < cols[t]; ++c) row[n0 + c] = from_float<T>(out[t * QCOLS + c] + (bias ? bias[n0 + c] : 0.f));
+    }
   }
 }
 
-template <int BITS, int ABITS, typename T>
+template <int NT, int BITS, int ABITS, typename T>
 void qgemm_block(int MB, const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
-                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
+                 const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[NT],
+                 int64_t tile_bytes, const int (&cols)[NT]) {
+  if constexpr (NT < kPassTiles) {  // fewer than STREAM_ROWS rows
+    static_assert(STREAM_ROWS <= 3, "one-tile passes are built for 1 and 2 rows");
+    if (MB == 1) return qgemm_tile<1, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    return qgemm_tile<2, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+  }
   switch (MB) {
-    case 1: return qgemm_tile<1, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    case 2: return qgemm_tile<2, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    case 3: return qgemm_tile<3, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 1: return qgemm_tile<1, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    case 2: return qgemm_tile<2, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    case 3: return qgemm_tile<3, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
 #if defined(__AVX512F__)
-    case 4: return qgemm_tile<4, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    case 5: return qgemm_tile<5, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    case 6: return qgemm_tile<6, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    case 7: return qgemm_tile<7, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
-    default: return qgemm_tile<8, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    case 4: return qgemm_tile<4, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    case 5: return qgemm_tile<5, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    case 6: return qgemm_tile<6, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    case 7: return qgemm_tile<7, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+    default: return qgemm_tile<8, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
 #else
-    default: return qgemm_tile<4, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, n0, cols);
+    default: return qgemm_tile<4, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
 #endif
   }
 }
@@ -743,11 +807,18 @@ inline int32_t x_at(const QRows<ABITS>& xs, int64_t m, int64_t g, int k) {
   return reinterpret_cast<const int8_t*>(words)[quad_byte(k)];
 }
 
-template <int BITS, int ABITS, typename T>
+constexpr int kPassTiles = 1;
+constexpr int64_t STREAM_ROWS = 0;
+
+template <int NT, int BITS, int ABITS, typename T>
 void qgemm_block(int, const QRows<ABITS>& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
-                 const c10::Half* mt, const float* bias, T* y, int64_t N, int64_t n0, int cols) {
-  const int64_t groups = K / 32;
-  for (int c = 0; c < cols; ++c) {
+                 const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[1], int64_t tile_bytes,
+                 const int (&cols)[1]) {
+  const int64_t groups = K / 32, n0 = tiles[0] * QCOLS;
+  wt += tiles[0] * tile_bytes;
+  dt += tiles[0] * groups * QCOLS;
+  mt += tiles[0] * groups * QCOLS;
+  for (int c = 0; c < cols[0]; ++c) {
     float acc = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* tg = wt + g * BITS * 64;
@@ -808,12 +879,24 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   auto run = [&](auto bits_tag, const auto& xs, auto* yp) {
     constexpr int B = decltype(bits_tag)::value;
     const int64_t tile_bytes = groups * B * 64;
+    auto passes = [&](auto tiles_tag, int64_t begin, int64_t end) {
+      constexpr int NT = decltype(tiles_tag)::value;
+      for (int64_t t = begin; t < end; t += NT) {
+        // A pass's tiles; past `end` the last one again, its columns not written.
+        int64_t pass[NT];
+        int cols[NT];
+        for (int i = 0; i < NT; ++i) {
+          pass[i] = std::min(t + i, end - 1);
+          cols[i] = t + i < end ? static_cast<int>(std::min<int64_t>(16, N - (t + i) * 16)) : 0;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past QROWS rows the tiles come from cache
+          qgemm_block<NT, B>(static_cast<int>(std::min<int64_t>(QROWS, M - m0)), xs, m0, K, qp, dp, mp, bp, yp, N,
+                             pass, tile_bytes, cols);
+      }
+    };
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past QROWS rows the tile comes from cache
-          qgemm_block<B>(static_cast<int>(std::min<int64_t>(QROWS, M - m0)), xs, m0, K, qp + t * tile_bytes,
-                         dp + t * groups * 16, mp + t * groups * 16, bp, yp, N, t * 16,
-                         static_cast<int>(std::min<int64_t>(16, N - t * 16)));
+      if (M < STREAM_ROWS) passes(std::integral_constant<int, 1>{}, begin, end);
+      else passes(std::integral_constant<int, kPassTiles>{}, begin, end);
     });
   };
   auto with_x = [&](const auto* xp, auto* yp) {
