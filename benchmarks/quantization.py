@@ -29,7 +29,7 @@ What is measured:
 `--against FILE` builds FILE (another version of `gemv_cpu.cpp`, e.g. `git show
 HEAD~3:atom_core/layers/csrc/gemv_cpu.cpp`) as a kernel of its own and times its `qgemm`
 beside this tree's on the same packed weights (all 120 layer GEMMs, the engines alternating,
-best of `--repeats` rounds), checks that both give the same bits, and prints the ratio.
+best of `--repeats` rounds but at least 5), checks that both give the same bits, and prints the ratio.
 """
 
 from __future__ import annotations
