@@ -28,7 +28,8 @@ What is measured:
 
 `--against FILE` builds FILE (another version of `gemv_cpu.cpp`, e.g. `git show
 HEAD~3:atom_core/layers/csrc/gemv_cpu.cpp`) as a kernel of its own and times its `qgemm`
-beside this tree's on the same packed weights (all 120 layer GEMMs, the engines alternating,
+(4- and 8-bit weights) and `gemv` (float32, bfloat16 and float16 weights) beside this tree's
+on the same packed weights (all 120 layer GEMMs, the engines alternating,
 best of `--repeats` rounds but at least 5), checks that both give the same bits, and prints the ratio.
 """
 
@@ -155,40 +156,55 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def qgemm_against(source: Path, rows: tuple[int, ...], rounds: int) -> None:
-    """This tree's `qgemm` against `source`'s, alternating on the same packed weights."""
+def kernels_against(source: Path, rows: tuple[int, ...], rounds: int) -> None:
+    """This tree's `qgemm` and `gemv` against `source`'s, alternating on the same packed weights."""
     from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
 
     from atom_core.layers.cpp import CppKernel
-    from atom_core.layers.gemm import GEMV_KERNEL, gemv_ops
+    from atom_core.layers.gemm import GEMV_KERNEL, gemv_ops, gemv_weight
     from atom_core.layers.quantized_gemm import StreamingGroupGemm
     from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
     ours = gemv_ops()
     other = CppKernel("atom_gemv_against", source.resolve(), uses=tuple(GEMV_KERNEL.uses)).load()
     if ours is None or other is None:
-        raise SystemExit("a qgemm kernel did not build here (see the log line above)")
-    formats = {"int4, int16 x (default)": (quantize_int4, 16), "int4, int8 x": (quantize_int4, 8),
-               "int8, int16 x (the LM head's)": (lambda w: quantize_int8(w, 32), 16)}  # fmt: skip
+        raise SystemExit("a kernel did not build here (see the log line above)")
+
+    def grouped(quantize, bits):  # a layer's call of `qgemm` in `ops`, on x [m, k]
+        def make(w):
+            g = StreamingGroupGemm(quantize(w), ours, bits)
+            return lambda ops, x: ops.qgemm(x, g.qweight, g.scales, g.mins, w.shape[0], None, bits)
+
+        return make
+
+    def tiled(dtype, xdtype):  # ... of `gemv`, 16-bit or float32 weights in its tiled layout
+        def make(w):
+            t = gemv_weight(w.to(dtype), int(ours.TILE))
+            return lambda ops, x: ops.gemv(x.to(xdtype), t, w.shape[0], None, None)
+
+        return make
+
+    formats = {"int4, int16 x (default)": grouped(quantize_int4, 16), "int4, int8 x": grouped(quantize_int4, 8),
+               "int8, int16 x (the LM head's)": grouped(lambda w: quantize_int8(w, 32), 16),
+               "gemv float32": tiled(torch.float32, torch.float32),
+               "gemv bfloat16": tiled(torch.bfloat16, torch.bfloat16),
+               "gemv bfloat16 w, float32 x": tiled(torch.bfloat16, torch.float32),
+               "gemv float16": tiled(torch.float16, torch.float16)}  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     print(f"\n| format | rows | this tree (ms) | {source.name} (ms) | this tree over it | same bits |")
     print("|---|---:|---:|---:|---:|---|")
-    for name, (quantize, bits) in formats.items():
-        layers = [StreamingGroupGemm(quantize(torch.randn(n, k, generator=gen) * 0.05), ours, bits) for n, k in shapes]
+    for name, make in formats.items():
+        layers = [make(torch.randn(n, k, generator=gen) * 0.05) for n, k in shapes]
         for m in rows:
             xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
-            calls = {
-                ops: [lambda g=g, k=k, n=n, ops=ops: ops.qgemm(xs[k], g.qweight, g.scales, g.mins, n, None, bits)
-                      for g, (n, k) in zip(layers, shapes)]
-                for ops in (ours, other)
-            }  # fmt: skip
-            same = all(torch.equal(a(), b()) for a, b in zip(calls[ours], calls[other]))
+            inputs = [xs[k] for _, k in shapes]
+            same = all(torch.equal(call(ours, x), call(other, x)) for call, x in zip(layers, inputs))
             best = {ours: float("inf"), other: float("inf")}
             for r in range(rounds):
                 for ops in (ours, other) if r % 2 == 0 else (other, ours):
                     t0 = time.perf_counter()
-                    for call in calls[ops]:
-                        call()
+                    for call, x in zip(layers, inputs):
+                        call(ops, x)
                     best[ops] = min(best[ops], time.perf_counter() - t0)
             print(f"| {name} | {m} | {1e3 * best[ours]:.2f} | {1e3 * best[other]:.2f} | "
                   f"{best[other] / best[ours]:.2f}x | {'yes' if same else 'NO'} |", flush=True)  # fmt: skip
@@ -203,7 +219,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     ap.add_argument("--kernels", action="store_true", help="time the GEMMs alone per weight format, then stop")
     ap.add_argument("--kernel-rows", default="1,8", help="--kernels: rows of x, e.g. 1,8,32,512")
-    ap.add_argument("--against", type=Path, help="--kernels: another gemv_cpu.cpp whose qgemm to time beside this one")
+    ap.add_argument("--against", type=Path, help="--kernels: another gemv_cpu.cpp whose qgemm and gemv to time beside this one")
     args = ap.parse_args()
     print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
@@ -212,7 +228,7 @@ def main() -> None:
     if args.kernels:
         rows = tuple(int(r) for r in args.kernel_rows.split(","))
         if args.against:
-            qgemm_against(args.against, rows, max(args.repeats, 5))
+            kernels_against(args.against, rows, max(args.repeats, 5))
         else:
             kernel_times(rows)
         return

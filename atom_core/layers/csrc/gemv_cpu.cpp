@@ -17,6 +17,9 @@
 // PREFETCH_BYTES ahead; rows go through a tile a few at a time (as many as the registers
 // hold accumulators for), further passes reading the tile from cache. Past CHUNK_ROWS rows
 // (a GEMM), x is taken a chunk at a time so that the chunk stays in L2 under the tiles.
+// Where widening bfloat16 in the registers leaves room for fewer rows a pass than float32
+// (AVX2), a chunk of more than two such passes widens each tile a block of k at a time
+// into L1 and takes float32's passes over the block (`kblock_passes`).
 //
 // Each output is one chain of float32 sums in k order: fused multiply-adds of the widened
 // values, or, on CPUs with avx512_bf16, for bfloat16 weights and activations one vdpbf16ps
@@ -68,6 +71,9 @@ constexpr int rows_per_pass() {
 // Rows of x per chunk in a GEMM (many rows): a chunk of x stays in L2 while a thread's run
 // of tiles passes under it.
 constexpr int64_t CHUNK_ROWS = 64;
+// k values of a tile widened at a time (`kblock_passes`; even: bfloat16 pairs stay whole):
+// the block and the chunk's sums stay in L1 (64 read faster than 128 or 256).
+constexpr int64_t KBLOCK = 64;
 // How far ahead in a tile's stream each line is prefetched: 8 KiB read 2-6% faster than 4
 // at 6-8 rows (in fast spells) and level at 1-2.
 constexpr int64_t PREFETCH_BYTES = 8192;
@@ -84,12 +90,11 @@ inline void prefetch_step(const void* p) {
 // One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
 // outputs L h .. L h + L - 1 of row m. Weights float32, or float16 widened exactly (F16C)
 // as they are loaded: the same products and sums as float32 weights of the same values.
-// kStream: w is read from memory (prefetched ahead), not a scratch tile already in cache.
-template <int M, bool kStream = true, typename W>
+template <int M, typename W>
 inline void tile_f32(const float* x, int64_t K, const W* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * TILE;
-    if constexpr (kStream) prefetch_step<TILE * sizeof(W)>(wk);
+    prefetch_step<TILE * sizeof(W)>(wk);
     const vf w0 = simd::load(wk), w1 = simd::load(wk + L);
     UNROLL for (int m = 0; m < M; ++m) {
       const vf xv = simd::set1(x[m * K + k]);
@@ -115,19 +120,9 @@ inline void tile_bf16_f32(const float* x, int64_t K, const c10::BFloat16* w, vf 
   }
 }
 
-// A bfloat16 or float16 tile widened (exactly) into the float32 tile layout [K][TILE], for
-// `tile_f32` over many rows: every pass of `tile_bf16_f32` widens the tile again, and with
-// AVX2's four rows a pass those shifts and ands take issue slots from the FMAs. tile_f32 over
-// the widened tile adds the same products in the same order (k, then k + 1), so the sums are
-// the same bits.
-inline void widen_tile(const c10::Half* w, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; ++k) {
-    const c10::Half* wk = w + k * TILE;
-    prefetch_step<TILE * 2>(wk);
-    UNROLL for (int h = 0; h < 2; ++h) simd::store(out + k * TILE + L * h, simd::load(wk + L * h));
-  }
-}
-
+// K values of a bfloat16 tile widened (exactly) into the float32 tile layout [K][TILE]: every
+// pass of `tile_bf16_f32` widens the tile again, and with AVX2's four rows a pass those
+// shifts and ands take issue slots from the FMAs.
 inline void widen_tile(const c10::BFloat16* w, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* wk = w + k * TILE;
@@ -139,6 +134,26 @@ inline void widen_tile(const c10::BFloat16* w, int64_t K, float* out) {
       simd::store(out + (k + 1) * TILE + L * h, odd);
     }
   }
+}
+
+// Rows m of x (row stride ldx) against kn values of a widened tile block, continuing the
+// sums acc_rows[m] (TILE floats a row; zeros where `first`): the same fused multiply-adds in
+// the same order as `tile_bf16_f32` over the whole tile (k, then k + 1), so the same bits.
+template <int M>
+inline void block_rows(const float* x, int64_t ldx, int64_t kn, const float* wide, float* acc_rows, bool first) {
+  vf acc[2][M];
+  UNROLL for (int h = 0; h < 2; ++h)
+    UNROLL for (int m = 0; m < M; ++m) acc[h][m] = first ? simd::zero() : simd::load(acc_rows + m * TILE + h * L);
+  for (int64_t k = 0; k < kn; ++k) {
+    const vf w0 = simd::load(wide + k * TILE), w1 = simd::load(wide + k * TILE + L);
+    UNROLL for (int m = 0; m < M; ++m) {
+      const vf xv = simd::set1(x[m * ldx + k]);
+      acc[0][m] = simd::fmadd(w0, xv, acc[0][m]);
+      acc[1][m] = simd::fmadd(w1, xv, acc[1][m]);
+    }
+  }
+  UNROLL for (int h = 0; h < 2; ++h)
+    UNROLL for (int m = 0; m < M; ++m) simd::store(acc_rows + m * TILE + h * L, acc[h][m]);
 }
 
 #if defined(__AVX512BF16__)
@@ -161,83 +176,111 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
 }
 #endif
 
+// Tile t's TILE sums of a row (out) into that row of y (N columns), bias added, rounded once.
+template <typename T>
+inline void store_sums(const float* out, int64_t N, const float* bias, T* row, int64_t t) {
+  const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
+  for (int64_t c = 0; c < cols; ++c) row[n0 + c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+}
+
 // Tile t (its weights at wt) for rows [0, M) of x (already offset to the block's first row),
-// written to y. kStream: wt is the weight in memory, not a widened copy in cache.
-template <typename W, typename X, typename T, int M, bool kStream>
+// written to y.
+template <typename W, typename X, typename T, int M>
 inline void one_tile(const X* x, int64_t K, const W* wt, int64_t N, const float* bias, T* y, int64_t t) {
   vf acc[2][M];
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
-  if constexpr (!std::is_same_v<W, c10::BFloat16>) tile_f32<M, kStream>(x, K, wt, acc);
+  if constexpr (!std::is_same_v<W, c10::BFloat16>) tile_f32<M>(x, K, wt, acc);
   else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
 #if defined(__AVX512BF16__)
   else tile_bf16<M>(x, K, wt, acc);
 #endif
-  const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
   UNROLL for (int m = 0; m < M; ++m) {
     alignas(64) float out[TILE];
     simd::store(out, acc[0][m]);
     simd::store(out + L, acc[1][m]);
-    T* row = y + m * N + n0;
-    for (int64_t c = 0; c < cols; ++c) row[c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+    store_sums(out, N, bias, y + m * N, t);
   }
 }
 
-template <typename W, typename X, typename T, bool kStream = true>
-void rows_tile(int rows, const X* x, int64_t K, const W* wt, int64_t N, const float* bias, T* y, int64_t t) {
+// fn(std::integral_constant<int, rows>{}) for rows 1 .. rows_per_pass<float>(): the row
+// count as a compile-time constant, so that a pass's loops over its rows unroll.
+template <typename F>
+inline void with_rows(int rows, F&& fn) {
   switch (rows) {
-    case 1: return one_tile<W, X, T, 1, kStream>(x, K, wt, N, bias, y, t);
-    case 2: return one_tile<W, X, T, 2, kStream>(x, K, wt, N, bias, y, t);
-    case 3: return one_tile<W, X, T, 3, kStream>(x, K, wt, N, bias, y, t);
-    case 4: return one_tile<W, X, T, 4, kStream>(x, K, wt, N, bias, y, t);
-    case 5: return one_tile<W, X, T, 5, kStream>(x, K, wt, N, bias, y, t);
-    case 6: return one_tile<W, X, T, 6, kStream>(x, K, wt, N, bias, y, t);
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
 #if defined(__AVX512F__)
-    case 7: return one_tile<W, X, T, 7, kStream>(x, K, wt, N, bias, y, t);
-    case 8: return one_tile<W, X, T, 8, kStream>(x, K, wt, N, bias, y, t);
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
 #endif
   }
+}
+
+// The rows [c0, c1) of a chunk in as few passes of at most R rows as R allows, of equal rows:
+// fn(first row, rows).
+template <int R, typename F>
+inline void passes_of(int64_t c0, int64_t c1, F&& fn) {
+  const int64_t n = c1 - c0, npass = (n + R - 1) / R;
+  for (int64_t p = 0, m0 = c0; p < npass; ++p) {
+    const int64_t rows = n / npass + (p < n % npass);
+    fn(m0, static_cast<int>(rows));
+    m0 += rows;
+  }
+}
+
+// Rows [c0, c1) of x (row stride K) against bfloat16 tile t (weights at wt), a block of
+// KBLOCK k at a time: each block widened once into `block`, float32's passes over it, the
+// rows' sums kept in `sums` (TILE floats a row) between blocks.
+template <typename T>
+void kblock_passes(const float* x, int64_t c0, int64_t c1, int64_t K, const c10::BFloat16* wt, int64_t N,
+                   const float* bias, T* y, int64_t t, float* block, float* sums) {
+  for (int64_t kb = 0; kb < K; kb += KBLOCK) {
+    const int64_t kn = std::min(KBLOCK, K - kb);
+    widen_tile(wt + kb * TILE, kn, block);
+    passes_of<rows_per_pass<float>()>(c0, c1, [&](int64_t m0, int rows) {
+      with_rows(rows, [&](auto r) {
+        block_rows<decltype(r)::value>(x + m0 * K + kb, K, kn, block, sums + (m0 - c0) * TILE, kb == 0);
+      });
+    });
+  }
+  for (int64_t m = c0; m < c1; ++m) store_sums(sums + (m - c0) * TILE, N, bias, y + m * N, t);
 }
 
 // Every row of x against every tile. Each thread takes a contiguous run of tiles (a long
 // sequential stream), at least two; within it, chunks of rows, and within a chunk each tile
 // in as few passes as `rows_per_pass` allows, of equal rows (the first pass reads the tile from
 // memory, the others from cache).
-// 16-bit weights against float32 rows, a prompt's many rows: a chunk that takes more than
-// one pass widens the tile once (`widen_tile`) and every pass reads the float32 copy.
+// bfloat16 weights against float32 rows where widening in the registers costs rows a pass
+// (AVX2: four, against float32's six): a chunk of more than two such passes takes
+// `kblock_passes`. Not with AVX-512 (eight rows a pass either way) nor for float16 (F16C
+// widens a vector in one instruction): there the widened copy measured slower than widening
+// at every pass (docs/performance.md, twenty-fifth session).
 template <typename W, typename X, typename T>
 void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, T* y) {
-  constexpr bool kWidens = !std::is_same_v<W, float> && std::is_same_v<X, float>;
-  // Prompt-sized calls only: at decode sizes (up to a chunk's rows) the tile comes from memory
-  // for two to eight passes, and the widened copy's stores and reloads cost more than the
-  // shifts they save (docs/performance.md has the figures).
-  const bool widen_rows = kWidens && M > CHUNK_ROWS;
+  constexpr bool kWidens = std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, float> &&
+                           rows_per_pass<W>() < rows_per_pass<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(widen_rows ? TILE * K : 0);
+    std::vector<float> block(kWidens ? TILE * KBLOCK : 0), sums(kWidens ? TILE * CHUNK_ROWS : 0);
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
       const int64_t c1 = std::min(M, c0 + CHUNK_ROWS);
-      // the chunk's passes over tile t, its weights at `tile` (in memory: kStream)
-      auto passes = [&](int64_t t, const auto* tile, auto stream) {
-        using V = std::remove_const_t<std::remove_pointer_t<decltype(tile)>>;
-        constexpr int R = rows_per_pass<V>();
-        const int64_t n = c1 - c0, npass = (n + R - 1) / R;
-        for (int64_t p = 0, m0 = c0; p < npass; ++p) {
-          const int64_t rows = n / npass + (p < n % npass);
-          rows_tile<V, X, T, decltype(stream)::value>(static_cast<int>(rows), x + m0 * K, K, tile, N, bias,
-                                                      y + m0 * N, t);
-          m0 += rows;
-        }
-      };
       for (int64_t t = begin; t < end; ++t) {
         const W* wt = w + t * TILE * K;
         if constexpr (kWidens) {
-          if (widen_rows && c1 - c0 > rows_per_pass<float>()) {
-            widen_tile(wt, K, wide.data());
-            passes(t, static_cast<const float*>(wide.data()), std::false_type{});
+          if (c1 - c0 > 2 * rows_per_pass<W>()) {
+            kblock_passes(x, c0, c1, K, wt, N, bias, y, t, block.data(), sums.data());
             continue;
           }
         }
-        passes(t, wt, std::true_type{});
+        passes_of<rows_per_pass<W>()>(c0, c1, [&](int64_t m0, int rows) {
+          with_rows(rows, [&](auto r) {
+            one_tile<W, X, T, decltype(r)::value>(x + m0 * K, K, wt, N, bias, y + m0 * N, t);
+          });
+        });
       }
     }
   });
