@@ -219,7 +219,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     ap.add_argument("--kernels", action="store_true", help="time the GEMMs alone per weight format, then stop")
     ap.add_argument("--kernel-rows", default="1,8", help="--kernels: rows of x, e.g. 1,8,32,512")
-    ap.add_argument("--against", type=Path, help="--kernels: another gemv_cpu.cpp whose qgemm and gemv to time beside this one")
+    ap.add_argument(
+        "--against", type=Path, help="--kernels: another gemv_cpu.cpp whose qgemm and gemv to time beside this one"
+    )
     args = ap.parse_args()
     print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
