@@ -87,17 +87,18 @@ inline void prefetch_step(const void* p) {
   for (int64_t off = 0; off < BYTES; off += 64) simd::prefetch_stream(c + off);
 }
 
-// One tile against the M rows of x (row stride K, the tile's padded K): acc[h][m] holds
-// outputs L h .. L h + L - 1 of row m. Weights float32, or float16 widened exactly (F16C)
-// as they are loaded: the same products and sums as float32 weights of the same values.
-template <int M, typename W>
-inline void tile_f32(const float* x, int64_t K, const W* w, vf (&acc)[2][M]) {
+// K values of one tile against the M rows of x (row stride ldx): acc[h][m] holds outputs
+// L h .. L h + L - 1 of row m. Weights float32, or float16 widened exactly (F16C) as they
+// are loaded: the same products and sums as float32 weights of the same values.
+// kStream: w is read from memory (prefetched ahead), not a widened block already in cache.
+template <int M, bool kStream = true, typename W>
+inline void tile_f32(const float* x, int64_t ldx, int64_t K, const W* w, vf (&acc)[2][M]) {
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * TILE;
-    prefetch_step<TILE * sizeof(W)>(wk);
+    if constexpr (kStream) prefetch_step<TILE * sizeof(W)>(wk);
     const vf w0 = simd::load(wk), w1 = simd::load(wk + L);
     UNROLL for (int m = 0; m < M; ++m) {
-      const vf xv = simd::set1(x[m * K + k]);
+      const vf xv = simd::set1(x[m * ldx + k]);
       acc[0][m] = simd::fmadd(w0, xv, acc[0][m]);
       acc[1][m] = simd::fmadd(w1, xv, acc[1][m]);
     }
@@ -137,21 +138,15 @@ inline void widen_tile(const c10::BFloat16* w, int64_t K, float* out) {
 }
 
 // Rows m of x (row stride ldx) against kn values of a widened tile block, continuing the
-// sums acc_rows[m] (TILE floats a row; zeros where `first`): the same fused multiply-adds in
-// the same order as `tile_bf16_f32` over the whole tile (k, then k + 1), so the same bits.
+// sums acc_rows[m] (TILE floats a row; zeros where `first`): `tile_f32` over the block, the
+// same fused multiply-adds in the same order as `tile_bf16_f32` over the whole tile (k, then
+// k + 1), so the same bits.
 template <int M>
 inline void block_rows(const float* x, int64_t ldx, int64_t kn, const float* wide, float* acc_rows, bool first) {
   vf acc[2][M];
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = first ? simd::zero() : simd::load(acc_rows + m * TILE + h * L);
-  for (int64_t k = 0; k < kn; ++k) {
-    const vf w0 = simd::load(wide + k * TILE), w1 = simd::load(wide + k * TILE + L);
-    UNROLL for (int m = 0; m < M; ++m) {
-      const vf xv = simd::set1(x[m * ldx + k]);
-      acc[0][m] = simd::fmadd(w0, xv, acc[0][m]);
-      acc[1][m] = simd::fmadd(w1, xv, acc[1][m]);
-    }
-  }
+  tile_f32<M, false>(x, ldx, kn, wide, acc);
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) simd::store(acc_rows + m * TILE + h * L, acc[h][m]);
 }
@@ -190,7 +185,7 @@ inline void one_tile(const X* x, int64_t K, const W* wt, int64_t N, const float*
   vf acc[2][M];
   UNROLL for (int h = 0; h < 2; ++h)
     UNROLL for (int m = 0; m < M; ++m) acc[h][m] = simd::zero();
-  if constexpr (!std::is_same_v<W, c10::BFloat16>) tile_f32<M>(x, K, wt, acc);
+  if constexpr (!std::is_same_v<W, c10::BFloat16>) tile_f32<M>(x, K, K, wt, acc);
   else if constexpr (std::is_same_v<X, float>) tile_bf16_f32<M>(x, K, wt, acc);
 #if defined(__AVX512BF16__)
   else tile_bf16<M>(x, K, wt, acc);
@@ -265,7 +260,9 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
   constexpr bool kWidens = std::is_same_v<W, c10::BFloat16> && std::is_same_v<X, float> &&
                            rows_per_pass<W>() < rows_per_pass<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> block(kWidens ? TILE * KBLOCK : 0), sums(kWidens ? TILE * CHUNK_ROWS : 0);
+    // scratch for `kblock_passes`, only where a chunk takes that path
+    const bool blocks = kWidens && M > 2 * rows_per_pass<W>();
+    std::vector<float> block(blocks ? TILE * KBLOCK : 0), sums(blocks ? TILE * CHUNK_ROWS : 0);
     for (int64_t c0 = 0; c0 < M; c0 += CHUNK_ROWS) {
       const int64_t c1 = std::min(M, c0 + CHUNK_ROWS);
       for (int64_t t = begin; t < end; ++t) {
