@@ -6,7 +6,11 @@
 // says so under its own #if.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "float_convert.h"
@@ -168,8 +172,28 @@ inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
 
 #endif
 
-// Prefetch into the cache nearest the core without polluting the others (a stream read once).
-inline void prefetch_stream(const void* p) { __builtin_prefetch(p, 0, 0); }
+// How a weight stream (read once a step) is prefetched: non-temporally (NTA) on AMD's cores,
+// which keep such lines out of the other caches, so that a decode step evicts less of what
+// the interpreter and the small ops use; T2 elsewhere: Intel's server cores read a stream
+// prefetched NTA at a third of the bandwidth of T0 or T2 (docs/performance.md, twenty-sixth
+// session). ATOM_STREAM_PREFETCH=nta or t2 chooses either (set before the kernels load).
+inline bool stream_nta_default() {
+  if (const char* e = std::getenv("ATOM_STREAM_PREFETCH"); e && *e) return std::strcmp(e, "t2") != 0;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __cpuid(0, a, b, c, d);
+  return b == 0x68747541u;  // "AuthenticAMD"
+#else
+  return true;
+#endif
+}
+inline const bool stream_nta = stream_nta_default();
+
+// Prefetch a line of a stream read once (see stream_nta).
+inline void prefetch_stream(const void* p) {
+  if (stream_nta) __builtin_prefetch(p, 0, 0);
+  else __builtin_prefetch(p, 0, 1);
+}
 // Prefetch into L2 (read again soon).
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
