@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -11,9 +12,11 @@ torch = pytest.importorskip("torch")
 
 from conftest import require_kernel  # noqa: E402
 
-from atom_core.layers.gemm import StreamingGemm, gemv_ops, gemv_weight  # noqa: E402
+import atom_core.layers.gemm as gemm_module  # noqa: E402
+from atom_core.layers.gemm import AMX_BF16_STREAM_ROWS, StreamingGemm, gemv_ops, gemv_weight, streaming_rows  # noqa: E402
 from atom_core.layers.linear import Linear, MergedLinear, StreamedEmbedding  # noqa: E402
 from atom_core.platform.cpu_features import cpu_features  # noqa: E402
+from atom_core.platform.cpu_features import detect as cpu_features_detect  # noqa: E402
 
 # (weights, activations): each 16-bit dtype against itself and against float32 rows
 DTYPE_PAIRS = [
@@ -194,4 +197,20 @@ def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
     for rows in (1, 8, 64, 65, 200):
         x = torch.randn(rows, 96).to(dtype)
         torch.testing.assert_close(layer(x).double(), x.double() @ weight.double().T + b.double(), **tol)
-    assert calls == ([1, 8, 64, 65, 200] if every_row else [1, 8, 64])
+    streamed = [r for r in (1, 8, 64, 65, 200) if every_row or r <= streaming_rows(dtype, ops)]
+    assert calls == streamed and layer.gemm.max_rows == (sys.maxsize if every_row else streaming_rows(dtype, ops))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bfloat16_streams_fewer_rows_where_amx_multiplies_them(amx, monkeypatch):
+    """On CPUs with AMX, oneDNN's bfloat16 tiles take bfloat16 from AMX_BF16_STREAM_ROWS rows on;
+    float32 (no tiles) and every dtype elsewhere stream up to the kernel's MAX_ROWS."""
+    ops = require_kernel(gemv_ops())
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    features = cpu_features_detect(
+        flags=frozenset(flags | ({"amx_bf16", "amx_tile", "amx_int8"} if amx else set())), isa=""
+    )
+    monkeypatch.setattr(gemm_module, "cpu_features", lambda: features)
+    assert streaming_rows(torch.bfloat16, ops) == (AMX_BF16_STREAM_ROWS if amx else ops.MAX_ROWS)
+    assert streaming_rows(torch.float32, ops) == ops.MAX_ROWS
+    assert AMX_BF16_STREAM_ROWS < ops.MAX_ROWS

@@ -97,6 +97,20 @@ def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torc
     return (picked.view(torch.bfloat16) if pairs else picked)[:, :in_features]
 
 
+# Rows up to which bfloat16 weights stream beside oneDNN on CPUs with AMX: there oneDNN's
+# tiles outran the streaming kernel from about 16 rows on (benchmarks/gemv_bandwidth.py,
+# docs/performance.md, twenty-sixth session).
+AMX_BF16_STREAM_ROWS = 8
+
+
+def streaming_rows(dtype: torch.dtype, ops: ModuleType) -> int:
+    """Up to how many rows the streaming kernel serves a weight of `dtype` beside packed oneDNN:
+    the kernel's MAX_ROWS, or AMX_BF16_STREAM_ROWS for bfloat16 where the CPU has AMX."""
+    if dtype == torch.bfloat16 and cpu_features().amx_bf16:
+        return min(AMX_BF16_STREAM_ROWS, int(ops.MAX_ROWS))
+    return int(ops.MAX_ROWS)
+
+
 class StreamingGemm:
     """The weight-streaming kernel on its own tiled copy (`gemv_weight`, in huge pages when
     loaded in a `weight_arena`): for 1 to `max_rows` rows beside packed oneDNN, or for every
@@ -108,7 +122,7 @@ class StreamingGemm:
         self.dtype = weight.dtype
         self.tiled: torch.Tensor | None = resident(gemv_weight(weight.detach(), int(ops.TILE)))
         self.ops, self.every_row = ops, every_row
-        self.max_rows = sys.maxsize if every_row else int(ops.MAX_ROWS)
+        self.max_rows = sys.maxsize if every_row else streaming_rows(weight.dtype, ops)
 
     def __call__(self, x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
         if self.every_row and x.dim() != 2:
