@@ -361,7 +361,7 @@ def _env(args: argparse.Namespace) -> int:
     print(f"float16 weights: {tiled}")
     print(f"torch:           {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    names = (ENV_ISA, "ATOM_CPU_KERNELS", *features.variant.caps())
+    names = (ENV_ISA, "ATOM_CPU_KERNELS", "ATOM_STREAM_PREFETCH", *features.variant.caps())
     env = [f"{v}={os.environ[v]}" for v in names if os.environ.get(v)]
     if env:
         print(f"environment:     {' '.join(env)}")
@@ -371,6 +371,11 @@ def _env(args: argparse.Namespace) -> int:
         return 0
     for name, status in build_all()[features.variant.name].items():
         print(f"  {name:<26} {status}")
+    from atom_core.layers.gemm import gemv_ops, streaming_rows
+
+    if (ops := gemv_ops()) is not None:  # the decode-row GEMMs' choices on this CPU (gemm.py, simd.h)
+        print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; 1 to {streaming_rows(torch.float32, ops)} rows "
+              f"(bfloat16: {streaming_rows(torch.bfloat16, ops)}) beside oneDNN")  # fmt: skip
     return 0
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import platform
+import subprocess
 import sys
 import weakref
 
@@ -214,3 +217,15 @@ def test_bfloat16_streams_fewer_rows_where_amx_multiplies_them(amx, monkeypatch)
     assert streaming_rows(torch.bfloat16, ops) == (AMX_BF16_STREAM_ROWS if amx else ops.MAX_ROWS)
     assert streaming_rows(torch.float32, ops) == ops.MAX_ROWS
     assert AMX_BF16_STREAM_ROWS < ops.MAX_ROWS
+
+
+@pytest.mark.parametrize("hint", ["", "nta", "t2"])
+def test_weight_streams_prefetch_as_the_cpu_or_the_environment_says(hint):
+    """Weight streams are prefetched non-temporally on AMD's cores and T2 elsewhere (Intel's read
+    an NTA stream at a third of the bandwidth); ATOM_STREAM_PREFETCH chooses either."""
+    require_kernel(gemv_ops())
+    code = "from atom_core.layers.gemm import gemv_ops; print(gemv_ops().STREAM_PREFETCH)"
+    env = {**os.environ, "ATOM_STREAM_PREFETCH": hint}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    amd = "AuthenticAMD" in open("/proc/cpuinfo").read() or platform.machine() not in ("x86_64", "AMD64")
+    assert out.stdout.split()[-1] == (hint or ("nta" if amd else "t2"))

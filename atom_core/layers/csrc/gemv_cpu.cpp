@@ -1115,6 +1115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
   m.def("dense_usable", &dense_usable, "whether qgemm_dense's bfloat16 micro-kernel runs on this CPU");
   m.attr("MAX_ROWS") = MAX_ROWS;
+  m.attr("STREAM_PREFETCH") = simd::stream_nta ? "nta" : "t2";  // how weight streams are prefetched (simd.h)
   m.attr("TILE") = TILE;
   m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);
   m.attr("VARIANT") = ATOM_STR(ATOM_VARIANT);
