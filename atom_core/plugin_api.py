@@ -9,7 +9,8 @@ a plugin contributes:
 - an attention type: `AttentionMetadataBuilder` and what it is made from and builds
   (`BuilderContext`, `AttentionMetadata`, `KVCacheTensor`), its cache declared as a
   `KVLayout` and the planned `KVPoolPlan`, the step's `ScheduledBatch`, the forward context
-  the layers read, and `empty_resident` for pool tensors;
+  the layers read, `empty_resident` for pool tensors, and `cpu_features` (what the CPU can
+  run, to choose between kernels);
 - a model: the checkpoint-name helpers (`SKIP`, `packed_target`, `safetensors_files`) and,
   for GGUF files, `GGUFArchitecture` and its helpers;
 - a proposer: `Proposer`, `ProposerContext`, `ProposalInput`, `Drafts`;
@@ -73,6 +74,7 @@ _LAZY = {
     "Joined": "atom_core.loading.gguf.architecture",
     "moe_tensors": "atom_core.loading.gguf.architecture",
     "empty_resident": "atom_core.platform.memory",
+    "cpu_features": "atom_core.platform.cpu_features",
     "ToolParser": "atom_core.serve.tool_parser",
     "TaggedToolParser": "atom_core.serve.tool_parser",
     "ParsedReply": "atom_core.serve.tool_parser",
@@ -84,6 +86,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from atom_core.loading.checkpoint import SKIP, packed_target, safetensors_files
     from atom_core.loading.gguf.architecture import GGUFArchitecture, GGUFFile, Joined, moe_tensors
+    from atom_core.platform.cpu_features import cpu_features
     from atom_core.platform.memory import empty_resident
     from atom_core.runner.attention_builder import (
         STEP_ONLY,
@@ -154,6 +157,7 @@ __all__ = [
     "StructuredOutputParams",
     "boolean",
     "empty_resident",
+    "cpu_features",
     "get_forward_context",
     "get_registry",
     "hookimpl",

@@ -232,7 +232,7 @@ def test_a_mixed_step_of_decode_rows_and_prompt_chunks_matches_reference(dtype, 
     if impl_cls is TorchPagedAttention:
         assert meta.extra["decode_reqs"] == 6  # the decode rows run chunked, the chunks varlen
     else:  # head_dim 8 is not tiled: the kernel takes the decode rows, torch the chunks
-        assert meta.extra["kernel_reqs"] == 6 and not layer.impl.tiles(DIM, dtype)
+        assert meta.extra["kernel_reqs"] == 6 and not layer.impl.tiles(layer, q)
     s = 0
     for table, L, n in zip(tables, context_lens, num_new):
         for j in sorted({0, n // 2, n - 1}):
@@ -416,3 +416,23 @@ def test_a_split_decode_row_gives_the_same_bits_alone_and_in_any_batch(dim, kv_h
         decode = ops.paged_attention(qv[j : j + 1], k_cache, v_cache, table, torch.tensor([L - n + j + 1]),
                                      torch.tensor([0, 1]), dim**-0.5)  # fmt: skip
         assert torch.equal(decode, verify[j : j + 1]), j
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bfloat16_prompt_runs_take_torchs_fused_attention_where_the_cpu_has_amx(amx):
+    """Long bfloat16 query runs over a bfloat16 cache go to torch's fused attention (`varlen`) on
+    CPUs with AMX, and to the kernel's tiles elsewhere; float32 queries, float32 caches and layers
+    with options keep the tiles everywhere."""
+    require_kernel(cpu_kernels.load())
+    impl = CpuPagedAttention()
+    impl.amx_bf16 = amx
+    bf16 = torch.bfloat16
+
+    def layer(dtype, plain=True):
+        return SimpleNamespace(k_cache=torch.empty(1, 1, 16, 64, dtype=dtype), plain=plain)
+
+    q = torch.empty(40, 3, 64, dtype=bf16)
+    assert impl.tiles(layer(bf16), q) is not amx
+    assert impl.tiles(layer(bf16), q.float()) and impl.tiles(layer(torch.float32), q.float())
+    assert impl.tiles(layer(bf16, plain=False), q)
+    assert not impl.tiles(layer(bf16), torch.empty(40, 3, 8, dtype=bf16))  # a head dim it has no tiles for

@@ -5,7 +5,7 @@ accumulation. The kernel walks a request with a few new tokens (decode, drafts t
 one token at a time, and tiles a long run of them (a prompt chunk) where it has a vector
 path for the head dim and dtype (`ops.TILED_HEAD_DIMS`; float32, bfloat16, float16); elsewhere
 long runs keep torch's fused attention (`TorchPagedAttention.varlen`), which beats walking
-the keys once per token. A mixed step splits at the first long row: decode rows come first
+the keys once per token, and so do bfloat16 runs on CPUs with AMX (`tiles`). A mixed step splits at the first long row: decode rows come first
 in every batch.
 """
 
@@ -17,7 +17,7 @@ import torch
 from atom_attention import cpu_kernels
 from atom_attention.mha.torch_paged import TorchPagedAttention
 from atom_core.layers.graph_capture import launch, launch_inplace
-from atom_core.plugin_api import AttentionMetadata
+from atom_core.plugin_api import AttentionMetadata, cpu_features
 
 # Up to this many new tokens a request, the kernel walks the keys once per token (as in
 # csrc/, kShortQuery); longer runs are tiled, or go to torch's fused attention.
@@ -30,6 +30,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.ops = cpu_kernels.load()
         if self.ops is None:
             raise RuntimeError("Atom's C++ CPU attention kernel did not build; see the warning logged above")
+        self.amx_bf16 = cpu_features().amx_bf16
 
     def prepare(self, meta: AttentionMetadata, block_size: int, null_block: int) -> None:
         super().prepare_common(meta, block_size)
@@ -37,8 +38,16 @@ class CpuPagedAttention(TorchPagedAttention):
         long_rows = np.flatnonzero(np.diff(meta.query_start_loc_cpu) > KERNEL_MAX_QUERY_LEN)
         meta.extra["kernel_reqs"] = int(long_rows[0]) if len(long_rows) else meta.num_reqs
 
-    def tiles(self, head_dim: int, dtype: torch.dtype) -> bool:
-        return head_dim in self.ops.TILED_HEAD_DIMS and dtype in TILED_DTYPES
+    def tiles(self, layer, q: torch.Tensor) -> bool:
+        """Whether the kernel tiles this layer's long query runs: where it has a vector path for
+        the head dim and cache dtype, except bfloat16 queries over a bfloat16 cache on CPUs with
+        AMX, where torch's fused attention (oneDNN's bfloat16 tiles) ran a 512-token prompt's
+        attention 2.3x faster (docs/performance.md, twenty-sixth session); layers with options
+        (window, sinks, soft-capping) keep the kernel, which has them."""
+        head_dim, dtype = q.shape[-1], layer.k_cache.dtype
+        if head_dim not in self.ops.TILED_HEAD_DIMS or dtype not in TILED_DTYPES:
+            return False
+        return not (self.amx_bf16 and layer.plain and dtype == q.dtype == torch.bfloat16)
 
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -49,7 +58,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
         nk = meta.extra["kernel_reqs"]
-        if nk == meta.num_reqs or self.tiles(q.shape[-1], layer.k_cache.dtype):
+        if nk == meta.num_reqs or self.tiles(layer, q):
             return self._kernel(layer, q, meta, meta.num_reqs)
         # long runs the kernel does not tile: `varlen` (torch's fused attention, or the eager
         # path a layer with options needs)
