@@ -12,10 +12,11 @@ from conftest import require_kernel  # noqa: E402
 
 from atom_attention import cpu_kernels  # noqa: E402
 from atom_attention.mha.builder import MHAMetadataBuilder, default_impl_cls  # noqa: E402
-from atom_attention.mha.cpu_paged import FUSED_MIN_RUN, CpuPagedAttention  # noqa: E402
+from atom_attention.mha.cpu_paged import CpuPagedAttention  # noqa: E402
 from atom_attention.mha.torch_paged import TorchPagedAttention, chunk_size  # noqa: E402
 from atom_core.kv.layout import KVPoolPlan  # noqa: E402
 from atom_core.layers import Attention  # noqa: E402
+from atom_core.platform.cpu_features import cpu_features  # noqa: E402
 from atom_core.runner.attention_builder import BuilderContext  # noqa: E402
 
 IMPLS = [TorchPagedAttention, CpuPagedAttention]
@@ -232,7 +233,7 @@ def test_a_mixed_step_of_decode_rows_and_prompt_chunks_matches_reference(dtype, 
     if impl_cls is TorchPagedAttention:
         assert meta.extra["decode_reqs"] == 6  # the decode rows run chunked, the chunks varlen
     else:  # head_dim 8 is not tiled: the kernel takes the decode rows, torch the chunks
-        assert meta.extra["kernel_reqs"] == 6 and not layer.impl.tiles(layer, q, meta.extra["shortest_long_run"])
+        assert meta.extra["kernel_reqs"] == 6 and not layer.impl.tiles(layer, q)
     s = 0
     for table, L, n in zip(tables, context_lens, num_new):
         for j in sorted({0, n // 2, n - 1}):
@@ -418,55 +419,45 @@ def test_a_split_decode_row_gives_the_same_bits_alone_and_in_any_batch(dim, kv_h
         assert torch.equal(decode, verify[j : j + 1]), j
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_long_bfloat16_prompt_runs_take_torchs_fused_attention_where_the_cpu_has_amx(amx):
-    """bfloat16 query runs over a bfloat16 cache, every one of the step's at least FUSED_MIN_RUN
-    tokens, go to torch's fused attention (`varlen`) on CPUs with AMX, and to the kernel's tiles
-    elsewhere; shorter runs, float32 queries, float32 caches and layers with options keep the
-    tiles everywhere."""
-    require_kernel(cpu_kernels.load())
-    impl = CpuPagedAttention()
-    impl.amx_bf16 = amx
-    bf16, long = torch.bfloat16, FUSED_MIN_RUN
-
-    def layer(dtype, plain=True):
-        return SimpleNamespace(k_cache=torch.empty(1, 1, 16, 64, dtype=dtype), plain=plain)
-
-    q = torch.empty(40, 3, 64, dtype=bf16)
-    assert impl.tiles(layer(bf16), q, long) is not amx
-    assert impl.tiles(layer(bf16), q, long - 1)  # many short prompts: one kernel call beats a loop over them
-    assert impl.tiles(layer(bf16), q.float(), long) and impl.tiles(layer(torch.float32), q.float(), long)
-    assert impl.tiles(layer(bf16, plain=False), q, long)
-    assert not impl.tiles(layer(bf16), torch.empty(40, 3, 8, dtype=bf16), 9)  # a head dim it has no tiles for
+@pytest.fixture
+def amx_tiles(request):
+    """The paged kernel with its prompt tiles in AMX tiles (True) or in vdpbf16ps (False), then
+    as `cpu_kernels.load` leaves it. `set_amx(True)` holds exactly where the CPU has AMX."""
+    ops = require_kernel(cpu_kernels.load())
+    assert ops.set_amx(True) is cpu_features().amx_bf16
+    on = ops.set_amx(request.param)
+    assert on is (request.param and cpu_features().amx_bf16)
+    yield ops
+    cpu_kernels.load()
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_a_step_of_decode_rows_and_long_bfloat16_prompts_matches_reference_on_either_route(amx):
-    """`prepare` and `forward` on a step of decode rows, then prompts of FUSED_MIN_RUN tokens or
-    more (one whole, one over a cached prefix), bfloat16, head dim 64, on either route: every row
-    matches float64, and the route is the one `tiles` names."""
-    require_kernel(cpu_kernels.load())
-    gen = torch.Generator().manual_seed(5)
-    bs, nblocks, kv_heads, group, dim = 16, 96, 3, 3, 64
-    context_lens, num_new = [40, 9, 300, 200], [1, 1, 300, 150]
+@pytest.mark.parametrize("amx_tiles", [True, False], indirect=True)
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim,kv_heads,group", [(64, 3, 3), (128, 2, 4), (576, 1, 5), (64, 1, 7)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (40, 30.0, True)])
+def test_prompt_tiles_over_a_bfloat16_cache_match_reference_in_amx_tiles_or_not(
+    amx_tiles, qdtype, dim, kv_heads, group, window, softcap, sinks
+):
+    """Prompt runs over a bfloat16 cache, whole and over a cached prefix, beside a decode row and
+    a short run, bfloat16 or float32 queries, with and without a window, soft cap and sinks: the
+    tiles (AMX's, which take rows in blocks of 16, and vdpbf16ps's) against float64. A run's
+    rows are the same bits alone as beside others."""
+    ops = amx_tiles
+    gen = torch.Generator().manual_seed(dim * group)
+    bs, nblocks = 16, 128
+    context_lens, num_new = [300, 1, 9, 100, 53, 700], [300, 1, 9, 20, 53, 211]
     tables, padded, k_cache, v_cache = filled_caches(context_lens, kv_heads, dim, torch.bfloat16, gen, bs, nblocks)
-    # the step's new K/V: what the cache holds at their slots (forward writes them there again)
-    slots = torch.tensor([t[p // bs] * bs + p % bs for t, L, n in zip(tables, context_lens, num_new)
-                          for p in range(L - n, L)])  # fmt: skip
-    k, v = (c.view(kv_heads, -1, dim)[:, slots].transpose(0, 1).contiguous() for c in (k_cache, v_cache))
-    q = torch.randn(sum(num_new), kv_heads * group, dim, generator=gen).to(torch.bfloat16)
-    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    meta = SimpleNamespace(num_reqs=4, query_start_loc_cpu=starts.numpy(), query_start_loc=starts,
-                           context_lens_cpu=lens.numpy(), context_lens=lens, block_tables=padded.int(),
-                           padded_block_tables=None, slot_mapping=slots, extra={})  # fmt: skip
-    layer = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, scale=dim**-0.5, plain=True, sliding_window=None,
-                            logit_softcap=None, sinks=None)  # fmt: skip
-    impl = CpuPagedAttention()
-    impl.amx_bf16 = amx
-    impl.prepare(meta, bs, 0)
-    assert meta.extra["kernel_reqs"] == 2 and meta.extra["shortest_long_run"] == 150
-    assert impl.tiles(layer, q, 150) is not amx
-    out = impl.forward(layer, q, k, v, meta)
-    ref = causal_reference(q, k_cache, v_cache, tables, context_lens, num_new, dim**-0.5)
+    heads = kv_heads * group
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    q = (torch.randn(sum(num_new), heads, dim, generator=gen) * 2).to(qdtype)
+    starts = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()])
+    lens = torch.tensor(context_lens)
+    scale, extra = dim**-0.5, (window or 0, softcap or 0.0, sink)
+    out = ops.paged_attention(q, k_cache, v_cache, padded, lens, starts, scale, *extra)
+    ref = options_reference(q, k_cache, v_cache, tables, context_lens, num_new, scale, window, softcap, sink)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    last = slice(int(starts[-2]), int(starts[-1]))  # the last request alone
+    alone = ops.paged_attention(
+        q[last], k_cache, v_cache, padded[-1:], lens[-1:], starts[-2:] - starts[-2], scale, *extra
+    )
+    assert torch.equal(alone, out[last])

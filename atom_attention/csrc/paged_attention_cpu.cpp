@@ -32,6 +32,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "out_tensor.h"  // atom_core/layers/csrc too
 #include "simd.h"  // atom_core/layers/csrc, on the include path CppKernel sets
 
@@ -427,7 +434,109 @@ struct PairTiled {
 template <typename Q, typename T, int D>
 constexpr bool kPairs = (std::is_same_v<Q, c10::BFloat16> || std::is_same_v<Q, float>) &&
                        std::is_same_v<T, c10::BFloat16> && D > 0 && D % 64 == 0;
+
+// The same two products on CPUs with AMX (`set_amx`): tdpbf16ps multiplies a 16 x 32 tile
+// of bfloat16 pairs by a 32 x 16 one into 16 x 16 float32 sums, where vdpbf16ps spent most
+// of the tiled path's time. The pair layouts are PairTiled's: a tile of keys is 16 pair rows
+// of kt (stride kChunk), a tile of values 16 pair rows of vt (stride D). The tile takes rows
+// in blocks of 16 (`amx_rows`): the work buffers are padded to that, the padding's rows
+// computed and never read. Each output is a sum of exact products in float32, as with
+// vdpbf16ps, in another order.
+constexpr int64_t kAmxRows = 16;
+std::atomic<bool> amx_on{false};
+
+// Linux hands the tiles' register state to a process on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks too); without it the first tile
+// instruction faults.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+inline int64_t amx_rows(int64_t rows) { return (rows + kAmxRows - 1) / kAmxRows * kAmxRows; }
+
+// Every tile 16 rows of 64 bytes (palette 1).
+__attribute__((target("amx-tile"))) inline void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = kAmxRows;
+  // GCC's _tile_loadconfig names only a pointer's worth of cfg as read: the whole of it here
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// The tiles back to their initial state, and ATen's record of which micro-kernel's
+// configuration they hold dropped: its next brgemm call configures them again.
+__attribute__((target("amx-tile"))) inline void amx_release() {
+  _tile_release();
+  at::native::cpublas::brgemm_release(true);
+}
+
+template <int D>
+struct AmxPairs {
+  static constexpr int P = D / 2;
+  static constexpr int C = PairTiled<D>::kChunk;  // keys a chunk: two tiles' columns
+  static_assert(C == 2 * kAmxRows && P % 16 == 0, "AmxPairs takes AVX-512's chunks of 32 keys");
+
+  // s[r * ss + t] = qb[r] . key t (unscaled), rows r < prows (a multiple of 16), keys t < nk
+  // (a multiple of C) of the chunks from kt on.
+  __attribute__((target("amx-tile,amx-bf16"))) static void scores(const uint32_t* qb, int64_t prows,
+                                                                   const uint32_t* kt, int64_t nk, float* s,
+                                                                   int64_t ss) {
+    for (int64_t r0 = 0; r0 < prows; r0 += kAmxRows)
+      for (int64_t t0 = 0; t0 < nk; t0 += C) {
+        const uint32_t* chunk = kt + t0 * P;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int p = 0; p < P; p += 16) {
+          _tile_loadd(2, qb + r0 * P + p, P * 4);
+          _tile_loadd(3, chunk + p * C, C * 4);
+          _tile_loadd(4, chunk + p * C + kAmxRows, C * 4);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, s + r0 * ss + t0, ss * 4);
+        _tile_stored(1, s + r0 * ss + t0 + kAmxRows, ss * 4);
+      }
+  }
+  // acc[r] += sum over key pairs j < nk / 2 of pb[r * ps + j] . V pair j (vt from the block's
+  // first chunk on), rows r < prows.
+  __attribute__((target("amx-tile,amx-bf16"))) static void accumulate(const uint32_t* pb, int64_t ps, int64_t prows,
+                                                                       const uint32_t* vt, int64_t nk, float* acc) {
+    for (int64_t r0 = 0; r0 < prows; r0 += kAmxRows)
+      for (int d0 = 0; d0 < D; d0 += 2 * kAmxRows) {
+        float* a = acc + r0 * D + d0;
+        _tile_loadd(0, a, D * 4);
+        _tile_loadd(1, a + kAmxRows, D * 4);
+        for (int64_t j0 = 0; j0 < nk / 2; j0 += kAmxRows) {
+          _tile_loadd(2, pb + r0 * ps + j0, ps * 4);
+          _tile_loadd(3, vt + j0 * D + d0, D * 4);
+          _tile_loadd(4, vt + j0 * D + d0 + kAmxRows, D * 4);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, a, D * 4);
+        _tile_stored(1, a + kAmxRows, D * 4);
+      }
+  }
+};
 #else
+constexpr int64_t kAmxRows = 1;
+std::atomic<bool> amx_on{false};
+bool amx_permitted() { return false; }
+inline int64_t amx_rows(int64_t rows) { return rows; }
+inline void amx_configure() {}
+inline void amx_release() {}
+template <int D>
+struct AmxPairs {
+  static void scores(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t) {}
+  static void accumulate(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*) {}
+};
 template <int D>
 struct PairTiled {};
 template <typename Q, typename T, int D>
@@ -463,14 +572,22 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   constexpr int C = K::kChunk;
   constexpr int64_t B = kSoftmaxChunks * C;
   const int64_t rows = (j1 - j0) * group;
-  work.resize(rows * (2 * D + B + 2 + C / 2));
+  // AMX: the tiles' rows in blocks of kAmxRows (padding rows: zero queries), a block's
+  // probabilities in pairs at once
+  const bool amx = kPair && amx_on.load(std::memory_order_relaxed);
+  const int64_t prows = amx ? amx_rows(rows) : rows, pairs = amx ? B / 2 : C / 2;
+  work.resize(prows * (2 * D + B + 2 + pairs));
   float* qf = work.data();  // kPair: the rows' bfloat16 pairs, D / 2 a row
-  float* acc = qf + rows * D;
-  float* s = acc + rows * D;  // a block's scores, then probabilities: [rows][B]
-  float* m = s + rows * B;
-  float* l = m + rows;
-  auto* pb = reinterpret_cast<uint32_t*>(l + rows);  // kPair: a chunk's probabilities in bfloat16 pairs
+  float* acc = qf + prows * D;
+  float* s = acc + prows * D;  // a block's scores, then probabilities: [prows][B]
+  float* m = s + prows * B;
+  float* l = m + prows;
+  auto* pb = reinterpret_cast<uint32_t*>(l + prows);  // kPair: probabilities in bfloat16 pairs, `pairs` a row
   vrows.resize(C);
+  if (amx) {
+    std::fill(qf + rows * D / 2, qf + prows * D / 2, 0.f);
+    amx_configure();
+  }
   for (int64_t i = 0; i < rows; ++i) {
     const Q* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
     if constexpr (kPair) PairTiled<D>::query_pairs(src, reinterpret_cast<uint32_t*>(qf) + i * D / 2);
@@ -478,14 +595,28 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.f;
   }
-  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(acc, acc + prows * D, 0.f);
   const int64_t first = context - n;  // position of the request's first new token
   const int64_t keys = first + j1;  // keys the tile's last token sees
   // keys before the tile's first token's window are seen by no row: start at its chunk
   for (int64_t b0 = opt.first_key(first + j0) / C * C; b0 < keys; b0 += B) {
     const int64_t bn = std::min<int64_t>(B, keys - b0);  // keys of this block
     const int64_t padded = (bn + C - 1) / C * C;
-    for (int64_t c = 0; c < bn; c += C) {  // chunk (b0 + c) / C starts at (b0 + c) * D values
+    // The scores are `raw` times `sc`: AMX's sums are unscaled, the scale taken into the
+    // exponentials' argument (one FMA), except where soft-capping needs the scores themselves.
+    float sc = 1.f;
+    if (amx) {
+      AmxPairs<D>::scores(reinterpret_cast<const uint32_t*>(qf), prows, static_cast<const uint32_t*>(kt) + b0 * D / 2,
+                          padded, s, B);
+      sc = scale;
+      if (opt.softcap > 0.f) {
+        const vf v = simd::set1(scale);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < padded; t += L) simd::store(s + i * B + t, simd::mul(v, simd::load(s + i * B + t)));
+        sc = 1.f;
+      }
+    }
+    for (int64_t c = 0; c < bn && !amx; c += C) {  // chunk (b0 + c) / C starts at (b0 + c) * D values
       if constexpr (kPair)
         PairTiled<D>::scores(reinterpret_cast<const uint32_t*>(qf), rows,
                              static_cast<const uint32_t*>(kt) + (b0 + c) * D / 2, scale, s + c, B);
@@ -502,13 +633,13 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
         continue;
       }
       opt.cap(si + from, seen - from);
-      const float mx = std::max(m[i], max_of(si, from, seen));
+      const float mx = std::max(m[i], sc * max_of(si, from, seen));
       // whole vectors from the one holding `from` to the one holding `seen - 1` (a scalar tail
       // for the keys past a row's causal edge took a third of the exponentials' time), then
       // the keys it should not see set to zero
       const int64_t a = from / L * L, b = (seen + L - 1) / L * L;
 #pragma omp simd
-      for (int64_t t = a; t < b; ++t) si[t] = exp_nonpositive(std::min(si[t] - mx, 0.f));
+      for (int64_t t = a; t < b; ++t) si[t] = exp_nonpositive(std::min(madd(si[t], sc, -mx), 0.f));
       std::fill(si, si + from, 0.f);
       std::fill(si + seen, si + padded, 0.f);
       vf vsum = simd::zero();
@@ -524,7 +655,14 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
       }
       l[i] += sum;
     }
-    for (int64_t c = 0; c < bn; c += C) {
+    if constexpr (kPair) {
+      if (amx) {
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < padded; c += C) PairTiled<D>::round_pairs(s + i * B + c, pb + i * pairs + c / 2);
+        AmxPairs<D>::accumulate(pb, pairs, prows, vt + b0 * D / 2, padded, acc);
+      }
+    }
+    for (int64_t c = 0; c < bn && !amx; c += C) {
       const int64_t cn = std::min<int64_t>(C, bn - c);
       if constexpr (kPair) {
         for (int64_t i = 0; i < rows; ++i) PairTiled<D>::round_pairs(s + i * B + c, pb + i * C / 2);
@@ -854,6 +992,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                              vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
+    if (kPair && amx_on.load(std::memory_order_relaxed)) amx_release();
   });
 }
 
@@ -964,6 +1103,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());  // the buffer to write (atom::output)
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
+  m.def("set_amx", [](bool on) {
+    amx_on.store(on && amx_permitted());
+    return amx_on.load();
+  }, "multiply the tiled path's bfloat16 pairs in AMX tiles (on) or with vdpbf16ps; returns whether the tiles are on (only where this build, the CPU and Linux allow them)");
   // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
   // others walk the keys once per token. dispatch_dim instantiates these.
   static_assert(kVectorized<float, 64> && kVectorized<float, 128> && kVectorized<float, 576>);

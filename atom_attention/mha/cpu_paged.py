@@ -3,10 +3,10 @@
 Every row reads K/V where they lie in the pool: no gather, no padding, float32
 accumulation. The kernel walks a request with a few new tokens (decode, drafts to verify)
 one token at a time, and tiles a long run of them (a prompt chunk) where it has a vector
-path for the head dim and dtype (`ops.TILED_HEAD_DIMS`; float32, bfloat16, float16); elsewhere
-long runs keep torch's fused attention (`TorchPagedAttention.varlen`), which beats walking
-the keys once per token, and so do long bfloat16 runs on CPUs with AMX (`tiles`). A mixed step
-splits at the first long row: decode rows come first in every batch.
+path for the head dim and dtype (`ops.TILED_HEAD_DIMS`; float32, bfloat16, float16; on CPUs
+with AMX its bfloat16 products run in AMX tiles); elsewhere long runs keep torch's fused
+attention (`TorchPagedAttention.varlen`), which beats walking the keys once per token. A mixed
+step splits at the first long row: decode rows come first in every batch.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import torch
 from atom_attention import cpu_kernels
 from atom_attention.mha.torch_paged import TorchPagedAttention
 from atom_core.layers.graph_capture import launch, launch_inplace
-from atom_core.plugin_api import AttentionMetadata, cpu_features
+from atom_core.plugin_api import AttentionMetadata
 
 # Up to this many new tokens a request, the kernel walks the keys once per token (as in
 # csrc/, kShortQuery); longer runs are tiled, or go to torch's fused attention.
 KERNEL_MAX_QUERY_LEN = 8
 TILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# On CPUs with AMX, bfloat16 runs of at least this many tokens go to torch's fused attention
-# when every long run of the step does (`CpuPagedAttention.tiles`).
-FUSED_MIN_RUN = 128
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -33,7 +30,6 @@ class CpuPagedAttention(TorchPagedAttention):
         self.ops = cpu_kernels.load()
         if self.ops is None:
             raise RuntimeError("Atom's C++ CPU attention kernel did not build; see the warning logged above")
-        self.amx_bf16 = cpu_features().amx_bf16
 
     def prepare(self, meta: AttentionMetadata, block_size: int, null_block: int) -> None:
         super().prepare_common(meta, block_size)
@@ -41,21 +37,11 @@ class CpuPagedAttention(TorchPagedAttention):
         runs = np.diff(meta.query_start_loc_cpu)
         long_rows = np.flatnonzero(runs > KERNEL_MAX_QUERY_LEN)
         meta.extra["kernel_reqs"] = int(long_rows[0]) if len(long_rows) else meta.num_reqs
-        meta.extra["shortest_long_run"] = int(runs[long_rows].min()) if len(long_rows) else 0
 
-    def tiles(self, layer, q: torch.Tensor, shortest_run: int) -> bool:
-        """Whether the kernel tiles this layer's long query runs (the shortest of them
-        `shortest_run` tokens): where it has a vector path for the head dim and cache dtype,
-        except bfloat16 queries over a bfloat16 cache on CPUs with AMX when every run is at least
-        FUSED_MIN_RUN tokens. There torch's fused attention (oneDNN's bfloat16 tiles) ran a
-        512-token prompt's attention 2.3x faster, but its Python loop over requests lost on many
-        short prompts (docs/performance.md, twenty-sixth session). Layers with options (window,
-        sinks, soft-capping) keep the kernel, which has them."""
-        head_dim, dtype = q.shape[-1], layer.k_cache.dtype
-        if head_dim not in self.ops.TILED_HEAD_DIMS or dtype not in TILED_DTYPES:
-            return False
-        fused = self.amx_bf16 and layer.plain and dtype == q.dtype == torch.bfloat16
-        return not (fused and shortest_run >= FUSED_MIN_RUN)
+    def tiles(self, layer, q: torch.Tensor) -> bool:
+        """Whether the kernel tiles this layer's long query runs: where it has a vector path
+        for the head dim and cache dtype."""
+        return q.shape[-1] in self.ops.TILED_HEAD_DIMS and layer.k_cache.dtype in TILED_DTYPES
 
     def forward(
         self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -66,7 +52,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if meta.padded_block_tables is not None:
             return self.rectangular(layer, q, meta)
         nk = meta.extra["kernel_reqs"]
-        if nk == meta.num_reqs or self.tiles(layer, q, meta.extra["shortest_long_run"]):
+        if nk == meta.num_reqs or self.tiles(layer, q):
             return self._kernel(layer, q, meta, meta.num_reqs)
         # long runs the kernel does not tile: `varlen` (torch's fused attention, or the eager
         # path a layer with options needs)
