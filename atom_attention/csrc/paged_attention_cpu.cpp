@@ -458,8 +458,12 @@ bool amx_permitted() {
 
 inline int64_t amx_rows(int64_t rows) { return (rows + kAmxRows - 1) / kAmxRows * kAmxRows; }
 
+// Whether this thread has configured the tiles since it last released them.
+thread_local bool amx_configured = false;
+
 // Every tile 16 rows of 64 bytes (palette 1).
 __attribute__((target("amx-tile"))) inline void amx_configure() {
+  amx_configured = true;
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -473,6 +477,8 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 // The tiles back to their initial state, and ATen's record of which micro-kernel's
 // configuration they hold dropped: its next brgemm call configures them again.
 __attribute__((target("amx-tile"))) inline void amx_release() {
+  if (!amx_configured) return;  // decode rows only: no tiles to give back
+  amx_configured = false;
   _tile_release();
   at::native::cpublas::brgemm_release(true);
 }
