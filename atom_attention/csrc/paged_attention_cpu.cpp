@@ -532,7 +532,6 @@ struct AmxPairs {
   }
 };
 #else
-constexpr int64_t kAmxRows = 1;
 std::atomic<bool> amx_on{false};
 bool amx_permitted() { return false; }
 inline int64_t amx_rows(int64_t rows) { return rows; }
@@ -621,13 +620,14 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
           for (int64_t t = 0; t < padded; t += L) simd::store(s + i * B + t, simd::mul(v, simd::load(s + i * B + t)));
         sc = 1.f;
       }
-    }
-    for (int64_t c = 0; c < bn && !amx; c += C) {  // chunk (b0 + c) / C starts at (b0 + c) * D values
-      if constexpr (kPair)
-        PairTiled<D>::scores(reinterpret_cast<const uint32_t*>(qf), rows,
-                             static_cast<const uint32_t*>(kt) + (b0 + c) * D / 2, scale, s + c, B);
-      else
-        K::scores(qf, rows, static_cast<const float*>(kt) + (b0 + c) * D, s + c, B);
+    } else {
+      for (int64_t c = 0; c < bn; c += C) {  // chunk (b0 + c) / C starts at (b0 + c) * D values
+        if constexpr (kPair)
+          PairTiled<D>::scores(reinterpret_cast<const uint32_t*>(qf), rows,
+                               static_cast<const uint32_t*>(kt) + (b0 + c) * D / 2, scale, s + c, B);
+        else
+          K::scores(qf, rows, static_cast<const float*>(kt) + (b0 + c) * D, s + c, B);
+      }
     }
     for (int64_t i = 0; i < rows; ++i) {
       float* si = s + i * B;
@@ -661,24 +661,25 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
       }
       l[i] += sum;
     }
-    if constexpr (kPair) {
-      if (amx) {
+    if (amx) {
+      if constexpr (kPair) {
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t c = 0; c < padded; c += C) PairTiled<D>::round_pairs(s + i * B + c, pb + i * pairs + c / 2);
         AmxPairs<D>::accumulate(pb, pairs, prows, vt + b0 * D / 2, padded, acc);
       }
-    }
-    for (int64_t c = 0; c < bn && !amx; c += C) {
-      const int64_t cn = std::min<int64_t>(C, bn - c);
-      if constexpr (kPair) {
-        for (int64_t i = 0; i < rows; ++i) PairTiled<D>::round_pairs(s + i * B + c, pb + i * C / 2);
-        PairTiled<D>::accumulate(pb, rows, vt + (b0 + c) * D / 2, (cn + 1) / 2, acc);
-      } else {
-        for (int64_t t = 0; t < cn; ++t) {
-          const int64_t key = b0 + c + t;
-          vrows[t] = vbase + table[key / block_size] * vb + (key % block_size) * vr;
+    } else {
+      for (int64_t c = 0; c < bn; c += C) {
+        const int64_t cn = std::min<int64_t>(C, bn - c);
+        if constexpr (kPair) {
+          for (int64_t i = 0; i < rows; ++i) PairTiled<D>::round_pairs(s + i * B + c, pb + i * C / 2);
+          PairTiled<D>::accumulate(pb, rows, vt + (b0 + c) * D / 2, (cn + 1) / 2, acc);
+        } else {
+          for (int64_t t = 0; t < cn; ++t) {
+            const int64_t key = b0 + c + t;
+            vrows[t] = vbase + table[key / block_size] * vb + (key % block_size) * vr;
+          }
+          K::accumulate(s + c, B, rows, vrows.data(), cn, acc);
         }
-        K::accumulate(s + c, B, rows, vrows.data(), cn, acc);
       }
     }
   }
@@ -998,7 +999,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                              vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
-    if (kPair && amx_on.load(std::memory_order_relaxed)) amx_release();
+    amx_release();  // where this thread configured the tiles
   });
 }
 
