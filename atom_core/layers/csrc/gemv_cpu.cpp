@@ -56,6 +56,10 @@ namespace {
 
 using atom::from_float;
 using atom::to_float;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using atom::bf16_bits;
+using atom::store_lanes;
+#endif
 namespace simd = atom::simd;
 using simd::vf;
 
@@ -996,6 +1000,22 @@ void widen_panel(const uint8_t* qp, const c10::Half* dp, const c10::Half* mp, in
         continue;
       }
       const int64_t tg = t * groups + g;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      static_assert(QCOLS == 16, "a tile's columns are one vector's lanes");
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + tg * QCOLS)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + tg * QCOLS)));
+      const __m512i nibble = _mm512_set1_epi32(15);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(qp + tg * 256 + j * 64);
+        for (int h = 0; h < 4; ++h) {  // pair row p = 4 j + h; q * d is exact, so fma rounds as q * d + m
+          const __m512i word = _mm512_srli_epi32(v, 4 * h);
+          const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(word, nibble)), s, m);
+          const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(word, 16), nibble)), s, m);
+          _mm512_storeu_si512(out + (4 * j + h) * DENSE_PANEL,
+                              _mm512_or_si512(bf16_bits(w0), _mm512_slli_epi32(bf16_bits(w1), 16)));
+        }
+      }
+#else
       float s[QCOLS], m[QCOLS];
       for (int c = 0; c < QCOLS; ++c) {
         s[c] = to_float(dp[tg * QCOLS + c]);
@@ -1009,8 +1029,25 @@ void widen_panel(const uint8_t* qp, const c10::Half* dp, const c10::Half* mp, in
           out[p * DENSE_PANEL + c] = bf16_pair(static_cast<float>(word & 15u) * s[c] + m[c],
                                                static_cast<float>((word >> 16) & 15u) * s[c] + m[c]);
         }
+#endif
     }
   }
+}
+
+// y[r, j] = c[r, j] + bias[j] for a micro-kernel call's mb x cols block, in y's dtype (rows of ldy).
+template <typename T>
+void dense_epilogue(const float* c, const float* bias, int64_t mb, int64_t cols, T* y, int64_t ldy) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __mmask16 keep = cols - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - j)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + j) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < mb; ++r)
+      store_lanes(y + r * ldy + j, _mm512_add_ps(_mm512_loadu_ps(c + r * DENSE_PANEL + j), b), keep);
+  }
+#else
+  for (int64_t r = 0; r < mb; ++r)
+    for (int64_t j = 0; j < cols; ++j) y[r * ldy + j] = from_float<T>(c[r * DENSE_PANEL + j] + (bias ? bias[j] : 0.f));
+#endif
 }
 
 }  // namespace
@@ -1030,15 +1067,13 @@ at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& qw, const at::Tens
   const uint8_t* qp = qw.data_ptr<uint8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = mn.data_ptr<c10::Half>();
-  // Work items: panels, split into chunks of rows only where too few panels would leave
-  // threads idle (each chunk widens its panel again).
-  const int64_t panels = (N + DENSE_PANEL - 1) / DENSE_PANEL, want = 4 * at::get_num_threads();
-  const int64_t blocks = (M + DENSE_ROW_BLOCK - 1) / DENSE_ROW_BLOCK;
-  const int64_t chunks = panels >= want ? 1 : std::min(blocks, (want + panels - 1) / panels);
-  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * DENSE_ROW_BLOCK;
+  // Work items: (panel, block of rows), panel-major. at::parallel_for hands each thread one
+  // contiguous range of them, and a thread widens each panel of its range once, so the row
+  // blocks balance the threads at the cost of one panel widened twice where two ranges meet.
+  const int64_t panels = (N + DENSE_PANEL - 1) / DENSE_PANEL, blocks = (M + DENSE_ROW_BLOCK - 1) / DENSE_ROW_BLOCK;
   auto run = [&](auto* yp) {
     using T = std::remove_pointer_t<decltype(yp)>;
-    at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
       static thread_local std::vector<uint32_t> pairs;  // [K / 2, DENSE_PANEL]
       static thread_local std::vector<float> c;         // [DENSE_ROW_BLOCK, DENSE_PANEL]
       pairs.resize(std::max<size_t>(pairs.size(), K / 2 * DENSE_PANEL));
@@ -1046,20 +1081,16 @@ at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& qw, const at::Tens
       const auto* wp = reinterpret_cast<const c10::BFloat16*>(pairs.data());
       int64_t widened = -1;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t panel = item / chunks, chunk = item % chunks;
+        const int64_t panel = item / blocks, m0 = item % blocks * DENSE_ROW_BLOCK;
         if (panel != widened) {
           widen_panel(qp, dp, mp, tiles, groups, panel, pairs.data());
           widened = panel;
         }
         const int64_t n0 = panel * DENSE_PANEL, cols = std::min(DENSE_PANEL, N - n0);
-        for (int64_t m0 = chunk * chunk_rows; m0 < std::min(M, (chunk + 1) * chunk_rows); m0 += DENSE_ROW_BLOCK) {
-          const int64_t mb = std::min(DENSE_ROW_BLOCK, M - m0);
-          at::native::cpublas::brgemm(mb, DENSE_PANEL, K, K, DENSE_PANEL, DENSE_PANEL, false, ap + m0 * K, wp, c.data(),
-                                      true);
-          for (int64_t r = 0; r < mb; ++r)
-            for (int64_t j = 0; j < cols; ++j)
-              yp[(m0 + r) * N + n0 + j] = from_float<T>(c[r * DENSE_PANEL + j] + (bp ? bp[n0 + j] : 0.f));
-        }
+        const int64_t mb = std::min(DENSE_ROW_BLOCK, M - m0);
+        at::native::cpublas::brgemm(mb, DENSE_PANEL, K, K, DENSE_PANEL, DENSE_PANEL, false, ap + m0 * K, wp, c.data(),
+                                    true);
+        dense_epilogue(c.data(), bp ? bp + n0 : nullptr, mb, cols, yp + m0 * N + n0, N);
       }
       at::native::cpublas::brgemm_release(true);
     });
