@@ -774,7 +774,9 @@ def test_dense_prefill_kernel_against_float64(kernel_variant, monkeypatch):
             outh = ops.qgemm_dense(x.half(), kernel.qweight, kernel.scales, kernel.mins, n, None)
             xh = x.half().bfloat16().double()  # (x rounds to float16 first, then to bfloat16)
             assert outh.dtype == torch.float16
-            assert torch.equal(outh, ops.qgemm_dense(xh.float(), kernel.qweight, kernel.scales, kernel.mins, n, None).half())
+            assert torch.equal(
+                outh, ops.qgemm_dense(xh.float(), kernel.qweight, kernel.scales, kernel.mins, n, None).half()
+            )
         bias = torch.randn(n, generator=gen)
         with_bias = ops.qgemm_dense(x, kernel.qweight, kernel.scales, kernel.mins, n, bias)
         assert torch.equal(with_bias, out + bias)  # the float32 sums, then the bias: one rounding each
