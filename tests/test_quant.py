@@ -772,11 +772,9 @@ def test_dense_prefill_kernel_against_float64(kernel_variant, monkeypatch):
             outb = ops.qgemm_dense(x.bfloat16(), kernel.qweight, kernel.scales, kernel.mins, n, None)
             assert outb.dtype == torch.bfloat16 and torch.equal(outb, out.bfloat16())
             outh = ops.qgemm_dense(x.half(), kernel.qweight, kernel.scales, kernel.mins, n, None)
-            xh = x.half().bfloat16().double()  # (x rounds to float16 first, then to bfloat16)
+            xh = x.half().bfloat16().float()  # (x rounds to float16 first, then to bfloat16)
             assert outh.dtype == torch.float16
-            assert torch.equal(
-                outh, ops.qgemm_dense(xh.float(), kernel.qweight, kernel.scales, kernel.mins, n, None).half()
-            )
+            assert torch.equal(outh, ops.qgemm_dense(xh, kernel.qweight, kernel.scales, kernel.mins, n, None).half())
         bias = torch.randn(n, generator=gen)
         with_bias = ops.qgemm_dense(x, kernel.qweight, kernel.scales, kernel.mins, n, bias)
         assert torch.equal(with_bias, out + bias)  # the float32 sums, then the bias: one rounding each

@@ -966,9 +966,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
 // On CPUs that multiply bfloat16 matrices in hardware (AMX), a prompt's rows at act_bits 8
 // run faster through oneDNN's batch-reduce micro-kernel (`cpublas::brgemm`, as moe_cpu.cpp
 // calls it; float32 sums) on the weight widened to bfloat16 than through the integer dot
-// products above, although every call widens the weight again: a work item takes a panel of
-// DENSE_PANEL output columns, widens its groups (w = q * d + m in float32, exact, then
-// rounded) into bfloat16 VNNI pairs that stay in L2, and runs the micro-kernel over its rows.
+// products above, although every call widens the weight again: a thread widens each panel of
+// DENSE_PANEL output columns it meets (w = q * d + m in float32, exact, then rounded) into
+// bfloat16 VNNI pairs that stay in L2, and runs the micro-kernel over its blocks of rows.
 // x and w each round to bfloat16, 8 significant bits relative to each value: no coarser than
 // x rounded per group of 32 to int8 (relative to the group's largest), which it stands in
 // for. (At act_bits 16, keeping 16 bits a factor takes three such products, which on the
