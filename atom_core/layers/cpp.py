@@ -28,6 +28,7 @@ answered in seconds, not after the compiler. Whether a kernel is built is a mark
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -71,6 +72,17 @@ def kernels_enabled() -> bool:
 def compiler() -> str | None:
     """The C++ compiler torch's builder runs (CXX, else c++), if it is on PATH."""
     return shutil.which(os.environ.get("CXX", "c++"))
+
+
+@functools.cache
+def _compiler_version(cxx: str, mtime_ns: int) -> bytes:
+    """`cxx --version`, run once a process for every kernel (keyed by the compiler's mtime, so a
+    reinstalled compiler is asked again): each run forks, and a fork from a process with many
+    threads is slow under emulation."""
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b""
 
 
 class CppKernel:
@@ -188,10 +200,8 @@ class CppKernel:
             h.update(path.read_bytes())
         h.update(" ".join(self.cflags(variant_name)).encode())
         h.update(torch.__version__.encode())
-        try:
-            h.update(subprocess.run([cxx, "--version"], capture_output=True, timeout=30).stdout)
-        except (OSError, subprocess.SubprocessError):
-            pass
+        with contextlib.suppress(OSError):
+            h.update(_compiler_version(cxx, os.stat(cxx).st_mtime_ns))
         key = self._keys[variant_name, cxx] = h.hexdigest()
         return key
 
