@@ -374,8 +374,15 @@ def _env(args: argparse.Namespace) -> int:
     from atom_core.layers.gemm import gemv_ops, streaming_rows
 
     if (ops := gemv_ops()) is not None:  # the decode-row GEMMs' choices on this CPU (gemm.py, simd.h)
-        print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; 1 to {streaming_rows(torch.float32, ops)} rows "
-              f"(bfloat16: {streaming_rows(torch.bfloat16, ops)}) beside oneDNN")  # fmt: skip
+        f32 = (
+            "every row count" if ops.F32_EVERY_ROW else f"1 to {streaming_rows(torch.float32, ops)} rows beside oneDNN"
+        )
+        bf16 = (
+            "every row count"
+            if not features.onednn_bf16
+            else f"1 to {streaming_rows(torch.bfloat16, ops)} rows beside oneDNN"
+        )
+        print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; float32 {f32}; bfloat16 {bf16}")
     return 0
 
 

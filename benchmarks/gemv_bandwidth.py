@@ -9,7 +9,9 @@ measured right before and after each kernel: this host's bandwidth swings 2x wit
 minutes, so only figures taken together compare.
 
 * float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on its tiled copy of the weight against oneDNN's packed
-  GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between.
+  GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between. Where
+  the build takes float32 at every row count (`F32_EVERY_ROW`, AVX2), rows past MAX_ROWS
+  (`--rows 512`: a prompt's) are measured too.
 * 4-bit groups of 32 (GGUF Q4_1's layout): `qgemm` against `_weight_int4pack_mm_for_cpu`
   (bytes: the packed values plus a 16-bit scale and min per group, for both).
 
@@ -81,11 +83,12 @@ def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: 
 def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
     ops = gemv_ops(variant)
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
+    every = dtype == torch.float32 and bool(ops.F32_EVERY_ROW)  # the kernel `Linear` gives prompts too
     with weight_arena():
-        streamed = [StreamingGemm(w, ops) for w in weights]  # its tiled copy, in huge pages
+        streamed = [StreamingGemm(w, ops, every_row=every) for w in weights]  # its tiled copy, in huge pages
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
-    for m in (m for m in rows if m <= ops.MAX_ROWS):  # the layer's route to it (past it, oneDNN)
+    for m in (m for m in rows if m <= ops.MAX_ROWS or every):  # the layer's route to it (past it, oneDNN)
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         mine, machine = copy.around(
             lambda: nbytes / best_time([lambda g=g: g(xs[g.in_features], None, None) for g in streamed], repeats) / 1e9

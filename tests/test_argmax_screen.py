@@ -96,7 +96,7 @@ def test_a_bound_of_zero_would_pick_wrong_tokens():
 def test_rows_it_cannot_serve_take_the_plain_head():
     w = near_tie_weight(300, 64, torch.float32, seed=2)
     screen, packed = screen_of(w)
-    x = torch.randn(int(screen.inner.max_rows) + 1, 64)  # more rows than the streaming kernel takes
+    x = torch.randn(screen.max_rows + 1, 64)  # more rows than the screen takes
     assert torch.equal(screened(screen, x, packed), screen.inner(x, packed, None))
     x = torch.randn(1, 64)
     x[0, 3] = float("nan")

@@ -87,12 +87,20 @@ def test_untied_weight_is_freed_and_tied_weight_survives(monkeypatch):
 
 
 def test_disabled_onednn_keeps_plain_weight(monkeypatch):
+    """No oneDNN packing: float32 runs `F.linear` on the plain weight, or, where the kernel's
+    build takes float32 at every row count (`F32_EVERY_ROW`), the streaming kernel alone."""
     monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")
     layer = loaded(MergedLinear(16, {"a": 8, "b": 4}), torch.float32)
+    weight = layer.weight.detach().clone()
     layer.process_weights_after_loading()
-    assert layer.packed_weight is None and layer.gemm is torch.nn.functional.linear
     x = torch.randn(5, 16)
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    ops = gemv_ops()
+    if ops is not None and ops.F32_EVERY_ROW:
+        assert isinstance(layer.gemm, StreamingGemm) and layer.packed_weight is layer.gemm.tiled
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), atol=1e-5, rtol=1e-5)
+    else:
+        assert layer.packed_weight is None and layer.gemm is torch.nn.functional.linear
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
 @pytest.mark.parametrize("wdtype,xdtype", DTYPE_PAIRS)
@@ -178,13 +186,19 @@ def test_streamed_embedding_reads_the_tiled_table_and_checks_ids(dtype, kernel_v
 def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
     """Up to MAX_ROWS rows go to the streaming kernel, more to packed oneDNN; both agree.
     bfloat16 where oneDNN has no bfloat16 kernels, and float16 (oneDNN's float16 GEMM needs
-    AVX512-FP16): the streaming kernel at every row count."""
-    require_kernel(gemv_ops())
-    every_row = dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_features().onednn_bf16)
+    AVX512-FP16), and float32 where the kernel's build outruns oneDNN there (`F32_EVERY_ROW`,
+    AVX2 builds): the streaming kernel at every row count, with no packed copy."""
+    ops = require_kernel(gemv_ops())
+    every_row = (
+        dtype == torch.float16
+        or (dtype == torch.bfloat16 and not cpu_features().onednn_bf16)
+        or (dtype == torch.float32 and ops.F32_EVERY_ROW)
+    )
     layer = loaded(Linear(96, 80, bias=True), dtype)
     weight, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.process_weights_after_loading()
     assert isinstance(layer.gemm, StreamingGemm) and layer.packed_weight is not None
+    assert (layer.packed_weight is layer.gemm.tiled) == every_row  # no second copy of the weight
     calls = []
     ops = layer.gemm.ops
 

@@ -52,6 +52,7 @@ def test_portable_torch_path_matches_transformers(tiny, monkeypatch):
     monkeypatch.setattr(MHAMetadataBuilder, "impl_cls", TorchPagedAttention)
     monkeypatch.setattr(ops, "_native", lambda x: None)
     monkeypatch.setenv("ATOM_DISABLE_ONEDNN", "1")
+    monkeypatch.setenv("ATOM_DISABLE_GEMV", "1")
     folder, model = tiny
     engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=64, max_model_len=256)
     assert all(type(m.impl) is TorchPagedAttention for m in engine.runner.attn_layers)

@@ -74,7 +74,7 @@ class ArgmaxScreen:
 
     def __call__(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if get_forward_context().argmax_only and 0 < rows <= self.inner.max_rows and x.dtype in EPS and self.usable:
+        if get_forward_context().argmax_only and 0 < rows <= self.max_rows and x.dtype in EPS and self.usable:
             if self.skip:
                 self.skip -= 1
             else:
@@ -82,6 +82,12 @@ class ArgmaxScreen:
                 if out is not None:
                     return out
         return self.inner(x, weight, bias)
+
+    @property
+    def max_rows(self) -> int:
+        """The rows the screen serves: the streaming kernel's decode rows (a head whose kernel
+        takes every row count, AVX2's float32, still screens only its first MAX_ROWS)."""
+        return min(self.inner.max_rows, self.inner.ops.MAX_ROWS)
 
     def build(self, bias: torch.Tensor | None) -> None:
         """The 8-bit copy and the bound's constants; `usable` False where they cannot serve."""

@@ -178,18 +178,25 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     without oneDNN's kernels (CPUs without AVX-512), and float16 (which oneDNN runs only on
     CPUs with AVX512-FP16 or AMX-FP16, and torch's own kernel at a twentieth of bfloat16's
     rate), keep their weights in 16 bits and run the streaming kernel at every row count,
-    widening them as it goes. `F.linear` on the plain weight elsewhere.
+    widening them as it goes. float32 takes the streaming kernel at every row count too
+    where the kernel's build says it outruns oneDNN there (`F32_EVERY_ROW`: AVX2 builds).
+    `F.linear` on the plain weight elsewhere.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return F.linear, weight
     onednn = torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
+    ops = gemv_ops()
+    if weight.dtype == torch.float32 and ops is not None and ops.F32_EVERY_ROW:
+        gemm = StreamingGemm(weight, ops, every_row=True)
+        return gemm, gemm.tiled
     if onednn and onednn_takes(weight.dtype):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-        ops = gemv_ops() if streaming else None
-        return (_onednn_linear if ops is None else StreamingGemm(weight, ops)), packed
+        if ops is None or not streaming:
+            return _onednn_linear, packed
+        return StreamingGemm(weight, ops), packed
     sixteen = weight.dtype == torch.float16 or (onednn and weight.dtype == torch.bfloat16)
-    if sixteen and (ops := gemv_ops()) is not None:  # 16-bit weights where oneDNN has no kernel for them
+    if sixteen and ops is not None:  # 16-bit weights where oneDNN has no kernel for them
         gemm = StreamingGemm(weight, ops, every_row=True)
         return gemm, gemm.tiled
     return F.linear, weight

@@ -294,6 +294,16 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
 // benchmarks/decode_profile.py --batch 32).
 constexpr int64_t MAX_ROWS = 64;
 
+// Whether this build's float32 passes outran oneDNN's packed float32 GEMM at every row count,
+// prompts included, so that float32 weights keep only the tiled copy: with AVX2 (six rows a
+// pass from cache, against oneDNN's AVX2 kernels on Zen 2), not with AVX-512, where oneDNN's
+// kernels ran near the machine's GEMM rate (docs/performance.md, "float32 at every row count").
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool F32_EVERY_ROW = true;
+#else
+constexpr bool F32_EVERY_ROW = false;
+#endif
+
 // y = x @ w.T (+ bias) for any rows of x; w in the tiled layout: float32 and float16
 // [ceil(N / TILE), K, TILE], bfloat16 [ceil(N / TILE), ceil(K / 2), TILE, 2].
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& bias,
@@ -1146,6 +1156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
   m.def("dense_usable", &dense_usable, "whether qgemm_dense's bfloat16 micro-kernel runs on this CPU");
   m.attr("MAX_ROWS") = MAX_ROWS;
+  m.attr("F32_EVERY_ROW") = F32_EVERY_ROW;
   m.attr("STREAM_PREFETCH") = simd::stream_nta ? "nta" : "t2";  // how weight streams are prefetched (simd.h)
   m.attr("TILE") = TILE;
   m.attr("OPS_NAMESPACE") = ATOM_STR(ATOM_OPS_NS);
