@@ -371,18 +371,17 @@ def _env(args: argparse.Namespace) -> int:
         return 0
     for name, status in build_all()[features.variant.name].items():
         print(f"  {name:<26} {status}")
-    from atom_core.layers.gemm import gemv_ops, streaming_rows
+    from atom_core.layers.gemm import gemv_ops, streaming_rows, streams_every_row
 
     if (ops := gemv_ops()) is not None:  # the decode-row GEMMs' choices on this CPU (gemm.py, simd.h)
-        f32 = (
-            "every row count" if ops.F32_EVERY_ROW else f"1 to {streaming_rows(torch.float32, ops)} rows beside oneDNN"
-        )
-        bf16 = (
-            "every row count"
-            if not features.onednn_bf16
-            else f"1 to {streaming_rows(torch.bfloat16, ops)} rows beside oneDNN"
-        )
-        print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; float32 {f32}; bfloat16 {bf16}")
+
+        def rows(dtype: torch.dtype) -> str:
+            if streams_every_row(dtype, ops):
+                return "every row count"
+            return f"1 to {streaming_rows(dtype, ops)} rows beside oneDNN"
+
+        print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; float32 {rows(torch.float32)}; "
+              f"bfloat16 {rows(torch.bfloat16)}")  # fmt: skip
     return 0
 
 

@@ -168,6 +168,20 @@ def onednn_takes(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features().onednn_bf16)
 
 
+def onednn_enabled() -> bool:
+    """Whether `pick_gemm` may hand weights to oneDNN (off with ATOM_DISABLE_ONEDNN=1)."""
+    return torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
+
+
+def streams_every_row(dtype: torch.dtype, ops: ModuleType) -> bool:
+    """Whether the streaming kernel `ops` alone serves CPU weights of `dtype` at every row count
+    (`pick_gemm`): float32 where its build outruns oneDNN there (`F32_EVERY_ROW`), float16
+    always, bfloat16 where oneDNN (enabled) has no bfloat16 kernels."""
+    if dtype == torch.float32:
+        return bool(ops.F32_EVERY_ROW)
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and onednn_enabled() and not onednn_takes(dtype))
+
+
 def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     """The GEMM for this weight and the weight in the form that GEMM takes.
 
@@ -184,19 +198,14 @@ def pick_gemm(weight: torch.Tensor, streaming: bool = True) -> tuple[Gemm, Any]:
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return F.linear, weight
-    onednn = torch.backends.mkldnn.is_available() and not os.environ.get("ATOM_DISABLE_ONEDNN")
     ops = gemv_ops()
-    if weight.dtype == torch.float32 and ops is not None and ops.F32_EVERY_ROW:
+    if ops is not None and streams_every_row(weight.dtype, ops):
         gemm = StreamingGemm(weight, ops, every_row=True)
         return gemm, gemm.tiled
-    if onednn and onednn_takes(weight.dtype):
+    if onednn_enabled() and onednn_takes(weight.dtype):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         if ops is None or not streaming:
             return _onednn_linear, packed
         return StreamingGemm(weight, ops), packed
-    sixteen = weight.dtype == torch.float16 or (onednn and weight.dtype == torch.bfloat16)
-    if sixteen and ops is not None:  # 16-bit weights where oneDNN has no kernel for them
-        gemm = StreamingGemm(weight, ops, every_row=True)
-        return gemm, gemm.tiled
     return F.linear, weight
