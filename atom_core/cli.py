@@ -378,7 +378,8 @@ def _env(args: argparse.Namespace) -> int:
         def rows(dtype: torch.dtype) -> str:
             if streams_every_row(dtype, ops):
                 return "every row count"
-            return f"1 to {streaming_rows(dtype, ops)} rows beside oneDNN"
+            tiles = f" (AMX tiles from {ops.AMX_MIN_ROWS})" if dtype == torch.bfloat16 and ops.amx_tiles() else ""
+            return f"1 to {streaming_rows(dtype, ops)} rows{tiles} beside oneDNN"
 
         print(f"weight streams:  prefetched {ops.STREAM_PREFETCH}; float32 {rows(torch.float32)}; "
               f"bfloat16 {rows(torch.bfloat16)}")  # fmt: skip

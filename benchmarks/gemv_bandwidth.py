@@ -9,7 +9,8 @@ measured right before and after each kernel: this host's bandwidth swings 2x wit
 minutes, so only figures taken together compare.
 
 * float32 / bfloat16: `gemv_cpu.cpp`'s `gemv` on its tiled copy of the weight against oneDNN's packed
-  GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between. Where
+  GEMM (`torch.ops.mkldnn._linear_pointwise`), the two paths `Linear` chooses between; on CPUs
+  with AMX, bfloat16 both in AMX tiles (from AMX_MIN_ROWS rows) and with vdpbf16ps. Where
   the build takes float32 at every row count (`F32_EVERY_ROW`, AVX2), rows past MAX_ROWS
   (`--rows 512`: a prompt's) are measured too.
 * 4-bit groups of 32 (GGUF Q4_1's layout): `qgemm` against `_weight_int4pack_mm_for_cpu`
@@ -80,6 +81,11 @@ def row(weights: str, m: int, mine: float, copy: float, peer: float, peer_name: 
     )
 
 
+def kernel(gemm: StreamingGemm, x: torch.Tensor) -> torch.Tensor:
+    """The streaming kernel itself at any row count (past `streaming_rows`, `Linear` takes oneDNN)."""
+    return gemm.ops.gemv(x, gemm.tiled, gemm.out_features, None)
+
+
 def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:
     ops = gemv_ops(variant)
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
@@ -88,19 +94,21 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBand
         streamed = [StreamingGemm(w, ops, every_row=every) for w in weights]  # its tiled copy, in huge pages
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     nbytes = sum(w.nbytes for w in weights)
+    # bfloat16 where the build and CPU multiply in AMX tiles: with them and without (vdpbf16ps)
+    tiles = [True, False] if dtype == torch.bfloat16 and ops.set_amx(True) else [None]
     for m in (m for m in rows if m <= ops.MAX_ROWS or every):  # the layer's route to it (past it, oneDNN)
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
-        mine, machine = copy.around(
-            lambda: nbytes / best_time([lambda g=g: g(xs[g.in_features], None, None) for g in streamed], repeats) / 1e9
-        )
         calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
-        row(
-            f"{str(dtype).removeprefix('torch.')} ({variant})",
-            m,
-            mine,
-            machine,
-            nbytes / best_time(calls, repeats) / 1e9,
-        )
+        onednn = nbytes / best_time(calls, repeats) / 1e9
+        for amx in tiles:
+            if amx is not None:
+                ops.set_amx(amx)
+            mine, machine = copy.around(
+                lambda: nbytes / best_time([lambda g=g: kernel(g, xs[g.in_features]) for g in streamed], repeats) / 1e9
+            )
+            how = "" if amx is None else ", AMX tiles" if amx and m >= ops.AMX_MIN_ROWS else ", vdpbf16ps"
+            row(f"{str(dtype).removeprefix('torch.')} ({variant}{how})", m, mine, machine, onednn)
+    ops.set_amx(cpu_features().amx_bf16)  # as `gemv_ops` leaves it
 
 
 def int4_rows(rows: list[int], repeats: int, copy: CopyBandwidth, variant: str) -> None:

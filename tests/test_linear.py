@@ -132,22 +132,62 @@ def test_streaming_gemv_against_float64(wdtype, xdtype, bias, kernel_variant):
 def test_streaming_gemv_computes_a_row_alike_at_every_row_count(wdtype, xdtype, kernel_variant):
     """Bit for bit: a row's output does not depend on how many rows share the call (up to 70:
     rows in several passes and chunks), and a column's not on which other columns are computed
-    with it (`StreamingGemm.columns`, which the LM head screen's exact logits come from)."""
+    with it (`StreamingGemm.columns`, which the LM head screen's exact logits come from).
+    bfloat16 rows against bfloat16 weights in AMX tiles (from AMX_MIN_ROWS rows, on CPUs with
+    AMX) sum in another order than vdpbf16ps: there a row is alike at every row count below
+    AMX_MIN_ROWS and at every count from it."""
     ops = require_kernel(gemv_ops(kernel_variant))
+    tiled_from = (
+        int(ops.AMX_MIN_ROWS)
+        if wdtype == xdtype == torch.bfloat16 and ops.set_amx(cpu_features().amx_bf16)
+        else sys.maxsize
+    )
     gen = torch.Generator().manual_seed(2)
     for n, k in [(131, 576), (1000, 47), (70, 120)]:
         w = (torch.randn(n, k, generator=gen) * 0.1).to(wdtype)
         b = torch.randn(n, generator=gen).to(xdtype)
         x = torch.randn(70, k, generator=gen).to(xdtype)
         gemm = StreamingGemm(w, ops, every_row=True)
-        alone = [gemm(x[i : i + 1], None, b) for i in range(len(x))]
+        alone = torch.cat([gemm(x[i : i + 1], None, b) for i in range(len(x))])
+        together = gemm(x, None, b)  # 70 rows: in tiles where they are on
         for rows in [*range(2, int(ops.MAX_ROWS) + 1), 13, 70]:
             out = gemm(x[:rows], None, b)
+            expected = together if rows >= tiled_from else alone
             for i in range(rows):
-                assert torch.equal(out[i : i + 1], alone[i]), (rows, i)
+                assert torch.equal(out[i], expected[i]), (rows, i)
         cols = torch.randperm(n, generator=gen)[:37]
         assert torch.equal(gemm.columns(x[:3], cols, b), gemm(x[:3], None, b)[:, cols])
         assert torch.equal(gemm.rows(cols), w[cols]) and torch.equal(gemm.rows(), w)
+
+
+def test_bfloat16_rows_in_amx_tiles_match_vdpbf16ps(kernel_variant):
+    """`set_amx(True)` holds exactly for the AVX-512 BF16 build on a CPU with AMX; there bfloat16
+    rows from AMX_MIN_ROWS on run in tiles, the same float32 sums of exact products as
+    vdpbf16ps's in another order: a part tile, an odd K and K past whole tile steps (the tail
+    block), one row block and several. Elsewhere the tiles stay off and both calls agree bit for bit."""
+    ops = require_kernel(gemv_ops(kernel_variant))
+    on = ops.set_amx(True)
+    assert on is (cpu_features().amx_bf16 and kernel_variant == "avx512_bf16")
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for n, k in [(131, 576), (40, 47), (33, 130), (64, 1536)]:
+            w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+            tiled = gemv_weight(w, int(ops.TILE))
+            b = torch.randn(n, generator=gen)
+            for rows in (int(ops.AMX_MIN_ROWS), 16, 17, 33, 64, 100):
+                x = torch.randn(rows, k, generator=gen).bfloat16()
+                ops.set_amx(True)
+                tiles = ops.gemv(x, tiled, n, b)
+                ops.set_amx(False)
+                pairs = ops.gemv(x, tiled, n, b)
+                if not on:
+                    assert torch.equal(tiles, pairs)
+                # float32 sums in another order, each output rounded once to bfloat16
+                torch.testing.assert_close(tiles.float(), pairs.float(), atol=1e-3, rtol=2**-7)
+                expected = x.double() @ w.double().T + b.double()
+                torch.testing.assert_close(tiles.double(), expected, atol=1e-2, rtol=2**-8)
+    finally:
+        ops.set_amx(cpu_features().amx_bf16)  # as `gemv_ops` leaves it
 
 
 def test_streaming_gemv_refuses_what_it_cannot_take(kernel_variant):
@@ -220,17 +260,26 @@ def test_linear_streams_decode_rows_and_packs_the_rest(dtype, monkeypatch):
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_bfloat16_streams_fewer_rows_where_amx_multiplies_them(amx, monkeypatch):
-    """On CPUs with AMX, oneDNN's bfloat16 tiles take bfloat16 from AMX_BF16_STREAM_ROWS rows on;
-    float32 (no tiles) and every dtype elsewhere stream up to the kernel's MAX_ROWS."""
+    """On CPUs with AMX, oneDNN's bfloat16 tiles take bfloat16 from AMX_BF16_STREAM_ROWS rows on
+    unless the streaming kernel multiplies in AMX tiles itself (`amx_tiles()`, which `gemv_ops`
+    turns on where the CPU has them); float32 (no tiles) and every dtype elsewhere stream up to
+    the kernel's MAX_ROWS."""
     ops = require_kernel(gemv_ops())
     flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
     features = cpu_features_detect(
         flags=frozenset(flags | ({"amx_bf16", "amx_tile", "amx_int8"} if amx else set())), isa=""
     )
+    assert ops.amx_tiles() is cpu_features().amx_bf16
     monkeypatch.setattr(gemm_module, "cpu_features", lambda: features)
-    assert streaming_rows(torch.bfloat16, ops) == (AMX_BF16_STREAM_ROWS if amx else ops.MAX_ROWS)
-    assert streaming_rows(torch.float32, ops) == ops.MAX_ROWS
-    assert AMX_BF16_STREAM_ROWS < ops.MAX_ROWS
+    try:
+        ops.set_amx(False)
+        assert streaming_rows(torch.bfloat16, ops) == (AMX_BF16_STREAM_ROWS if amx else ops.MAX_ROWS)
+        if ops.set_amx(True):  # this CPU has the tiles
+            assert streaming_rows(torch.bfloat16, ops) == ops.MAX_ROWS
+        assert streaming_rows(torch.float32, ops) == ops.MAX_ROWS
+        assert AMX_BF16_STREAM_ROWS < ops.MAX_ROWS
+    finally:
+        ops.set_amx(cpu_features().amx_bf16)
 
 
 @pytest.mark.parametrize("hint", ["", "nta", "t2"])

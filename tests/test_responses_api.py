@@ -164,4 +164,5 @@ def test_a_client_that_leaves_a_response_stream_frees_its_request(tool_server): 
         for i, _ in enumerate(r.iter_lines()):
             if i > 12:
                 break  # leave mid-reply: the server aborts the request
-    assert settles_idle(url, 1.5)  # its blocks are back within a step or two (the reply would take seconds)
+    # its blocks are back within a few steps, even on a loaded host (the 900-token reply would take far longer)
+    assert settles_idle(url, 5)

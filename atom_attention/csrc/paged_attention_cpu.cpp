@@ -32,14 +32,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <ATen/native/CPUBlas.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
-#include "out_tensor.h"  // atom_core/layers/csrc too
+#include "amx.h"  // atom_core/layers/csrc too
+#include "out_tensor.h"
 #include "simd.h"  // atom_core/layers/csrc, on the include path CppKernel sets
 
 namespace {
@@ -439,49 +433,10 @@ constexpr bool kPairs = (std::is_same_v<Q, c10::BFloat16> || std::is_same_v<Q, f
 // of bfloat16 pairs by a 32 x 16 one into 16 x 16 float32 sums, where vdpbf16ps spent most
 // of the tiled path's time. The pair layouts are PairTiled's: a tile of keys is 16 pair rows
 // of kt (stride kChunk), a tile of values 16 pair rows of vt (stride D). The tile takes rows
-// in blocks of 16 (`amx_rows`): the work buffers are padded to that, the padding's rows
+// in blocks of 16 (`amx::padded_rows`): the work buffers are padded to that, the padding's rows
 // computed and never read. Each output is a sum of exact products in float32, as with
 // vdpbf16ps, in another order.
-constexpr int64_t kAmxRows = 16;
-std::atomic<bool> amx_on{false};
-
-// Linux hands the tiles' register state to a process on request (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks too); without it the first tile
-// instruction faults.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return permitted;
-}
-
-inline int64_t amx_rows(int64_t rows) { return (rows + kAmxRows - 1) / kAmxRows * kAmxRows; }
-
-// Whether this thread has configured the tiles since it last released them.
-thread_local bool amx_configured = false;
-
-// Every tile 16 rows of 64 bytes (palette 1).
-__attribute__((target("amx-tile"))) inline void amx_configure() {
-  amx_configured = true;
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = kAmxRows;
-  // GCC's _tile_loadconfig names only a pointer's worth of cfg as read: the whole of it here
-  asm volatile("ldtilecfg %0" ::"m"(cfg));
-}
-
-// The tiles back to their initial state, and ATen's record of which micro-kernel's
-// configuration they hold dropped: its next brgemm call configures them again.
-__attribute__((target("amx-tile"))) inline void amx_release() {
-  if (!amx_configured) return;  // decode rows only: no tiles to give back
-  amx_configured = false;
-  _tile_release();
-  at::native::cpublas::brgemm_release(true);
-}
+constexpr int64_t kAmxRows = atom::amx::kRows;
 
 template <int D>
 struct AmxPairs {
@@ -532,11 +487,6 @@ struct AmxPairs {
   }
 };
 #else
-std::atomic<bool> amx_on{false};
-bool amx_permitted() { return false; }
-inline int64_t amx_rows(int64_t rows) { return rows; }
-inline void amx_configure() {}
-inline void amx_release() {}
 template <int D>
 struct AmxPairs {
   static void scores(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t) {}
@@ -579,8 +529,8 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   const int64_t rows = (j1 - j0) * group;
   // AMX: the tiles' rows in blocks of kAmxRows (padding rows: zero queries), a block's
   // probabilities in pairs at once
-  const bool amx = kPair && amx_on.load(std::memory_order_relaxed);
-  const int64_t prows = amx ? amx_rows(rows) : rows, pairs = amx ? B / 2 : C / 2;
+  const bool amx = kPair && atom::amx::on.load(std::memory_order_relaxed);
+  const int64_t prows = amx ? atom::amx::padded_rows(rows) : rows, pairs = amx ? B / 2 : C / 2;
   work.resize(prows * (2 * D + B + 2 + pairs));
   float* qf = work.data();  // kPair: the rows' bfloat16 pairs, D / 2 a row
   float* acc = qf + prows * D;
@@ -591,7 +541,7 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
   vrows.resize(C);
   if (amx) {
     std::fill(qf + rows * D / 2, qf + prows * D / 2, 0.f);
-    amx_configure();
+    atom::amx::configure();
   }
   for (int64_t i = 0; i < rows; ++i) {
     const Q* src = qp + (start + j0 + i / group) * qs0 + (h * group + i % group) * qs1;
@@ -999,7 +949,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                              vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
       }
     }
-    amx_release();  // where this thread configured the tiles
+    atom::amx::release();  // where this thread configured the tiles
   });
 }
 
@@ -1111,8 +1061,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out") = pybind11::none());  // the buffer to write (atom::output)
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
   m.def("set_amx", [](bool on) {
-    amx_on.store(on && amx_permitted());
-    return amx_on.load();
+    return atom::amx::set(on);
   }, "multiply the tiled path's bfloat16 pairs in AMX tiles (on) or with vdpbf16ps; returns whether the tiles are on (only where this build, the CPU and Linux allow them)");
   // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
   // others walk the keys once per token. dispatch_dim instantiates these.

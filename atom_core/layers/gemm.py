@@ -64,6 +64,7 @@ def gemv_ops(variant: str | None = None) -> ModuleType | None:
     if ops is not None and ops.OPS_NAMESPACE not in _faked:  # the shapes `torch.compile` traces with
         _faked.add(ops.OPS_NAMESPACE)
         ns = ops.OPS_NAMESPACE
+        ops.set_amx(cpu_features().amx_bf16)  # bfloat16 rows in AMX tiles where the CPU has them
         torch.library.register_fake(f"{ns}::gemv")(lambda x, w, n, bias: x.new_empty((x.shape[0], n)))
         torch.library.register_fake(f"{ns}::qgemm")(
             lambda x, qw, d, mn, n, bias, act_bits=16: x.new_empty((x.shape[0], n))
@@ -97,16 +98,18 @@ def gemv_rows(tiled: torch.Tensor, rows: torch.Tensor, in_features: int) -> torc
     return (picked.view(torch.bfloat16) if pairs else picked)[:, :in_features]
 
 
-# Rows up to which bfloat16 weights stream beside oneDNN on CPUs with AMX: there oneDNN's
-# tiles outran the streaming kernel from about 16 rows on (benchmarks/gemv_bandwidth.py,
-# docs/performance.md, twenty-sixth session).
+# Rows up to which bfloat16 weights stream beside oneDNN on CPUs with AMX whose streaming
+# kernel multiplies without the tiles (`ops.amx_tiles()` false): there oneDNN's tiles outran
+# vdpbf16ps from about 16 rows on (benchmarks/gemv_bandwidth.py, docs/performance.md,
+# twenty-sixth session). In tiles the kernel outran oneDNN up to MAX_ROWS (thirty-second).
 AMX_BF16_STREAM_ROWS = 8
 
 
 def streaming_rows(dtype: torch.dtype, ops: ModuleType) -> int:
     """Up to how many rows the streaming kernel serves a weight of `dtype` beside packed oneDNN:
-    the kernel's MAX_ROWS, or AMX_BF16_STREAM_ROWS for bfloat16 where the CPU has AMX."""
-    if dtype == torch.bfloat16 and cpu_features().amx_bf16:
+    the kernel's MAX_ROWS, or AMX_BF16_STREAM_ROWS for bfloat16 where the CPU has AMX and the
+    kernel's own AMX tiles are off."""
+    if dtype == torch.bfloat16 and cpu_features().amx_bf16 and not ops.amx_tiles():
         return min(AMX_BF16_STREAM_ROWS, int(ops.MAX_ROWS))
     return int(ops.MAX_ROWS)
 

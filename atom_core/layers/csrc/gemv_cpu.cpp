@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "out_tensor.h"
 #include "simd.h"
 
@@ -179,7 +180,19 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w,
 template <typename T>
 inline void store_sums(const float* out, int64_t N, const float* bias, T* row, int64_t t) {
   const int64_t n0 = t * TILE, cols = std::min(TILE, N - n0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // a vector at a time (the same sums and rounding): at a few dozen rows a tile's stores are
+  // as many as its weights' cache lines
+  UNROLL for (int64_t h = 0; h < TILE; h += L) {
+    if (cols <= h) break;
+    const __mmask16 keep = cols - h >= L ? 0xFFFF : (1u << (cols - h)) - 1;
+    __m512 v = _mm512_loadu_ps(out + h);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + h));
+    store_lanes(row + n0 + h, v, keep);
+  }
+#else
   for (int64_t c = 0; c < cols; ++c) row[n0 + c] = from_float<T>(out[c] + (bias ? bias[n0 + c] : 0.f));
+#endif
 }
 
 // Tile t (its weights at wt) for rows [0, M) of x (already offset to the block's first row),
@@ -287,6 +300,146 @@ void gemm_impl(const X* x, int64_t M, int64_t K, const W* w, int64_t N, const fl
   });
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 rows against bfloat16 weights in AMX tiles (`set_amx`), from AMX_MIN_ROWS rows on:
+// there vdpbf16ps's passes reread the tile for every eight rows and fell behind the memory
+// (docs/performance.md, twenty-sixth and thirty-second sessions), while one tdpbf16ps
+// multiplies 16 rows by 16 columns over 32 k. The tiled layout's pair rows are B tiles as
+// they lie: a tile's first 16 columns are 16 pair rows of 64 bytes at a stride of TILE pairs,
+// its last 16 the same 64 bytes on. x is copied into `xb`, padded with zeros to whole tiles
+// (rows to a multiple of 16, k to a multiple of AMX_K), and the weight's last partial step of
+// k (K not a multiple of AMX_K) is copied into a zeroed block first, so that no tile reads
+// past the tile's pairs. Each output is a float32 sum of exact products, as vdpbf16ps's,
+// in another order (and with AMX's denormals flushed to zero). Up to 32 rows each B tile
+// serves both row blocks and each A tile both halves of the tile's columns; from 33 rows each
+// half of the columns is a pass of its own over up to four row blocks.
+constexpr int64_t AMX_K = 2 * atom::amx::kRows;  // k a tile step: 16 pairs
+constexpr int64_t AMX_GROUP = 4;  // row blocks of 16 a thread's tile takes at once
+constexpr int64_t AMX_WS = 2 * TILE * 2;  // bytes a pair row of the tile
+
+// The weights of step k0 of tile wt (its last partial step from `tail`), prefetched ahead of
+// a pass that reads the tile from memory (kStream).
+template <bool kStream>
+inline const c10::BFloat16* amx_step(const c10::BFloat16* wt, const c10::BFloat16* tail, int64_t k0, int64_t Kp) {
+  const c10::BFloat16* wk = k0 + AMX_K <= Kp ? wt + k0 * TILE : tail;
+  if constexpr (kStream)
+    for (int64_t off = 0; off < AMX_K * TILE * 2; off += 64)
+      simd::prefetch_stream(reinterpret_cast<const char*>(wk) + PREFETCH_BYTES + off);
+  return wk;
+}
+
+// One or two row blocks of 16 (rows of xb from its start, row stride K32) against both halves
+// of tile wt: 2 x BLOCKS sums tiles, each B tile serving every block. The sums into `sums`
+// (TILE floats a row). (GCC's tile intrinsics take the tile numbers as literals.)
+template <int BLOCKS, bool kStream>
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_both_halves(const c10::BFloat16* xb, int64_t K32,
+                                                                          int64_t Kp, const c10::BFloat16* wt,
+                                                                          const c10::BFloat16* tail, float* sums) {
+  static_assert(TILE == 2 * atom::amx::kRows, "a tile's columns are two AMX tiles'");
+  constexpr int64_t R = atom::amx::kRows;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (BLOCKS == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < K32; k0 += AMX_K) {
+    const c10::BFloat16* wk = amx_step<kStream>(wt, tail, k0, Kp);
+    _tile_loadd(4, wk, AMX_WS);
+    _tile_loadd(5, wk + R * 2, AMX_WS);
+    _tile_loadd(6, xb + k0, K32 * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    if constexpr (BLOCKS == 2) {
+      _tile_loadd(7, xb + R * K32 + k0, K32 * 2);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+  _tile_stored(0, sums, TILE * 4);
+  _tile_stored(1, sums + R, TILE * 4);
+  if constexpr (BLOCKS == 2) {
+    _tile_stored(2, sums + R * TILE, TILE * 4);
+    _tile_stored(3, sums + R * TILE + R, TILE * 4);
+  }
+}
+
+// Three or four row blocks against one half of tile wt (its columns 16 h ..): BLOCKS sums
+// tiles, one B tile serving them all. The two halves read disjoint cache lines of the tile (a
+// pair row's first and second 64 bytes), so the tile is read once over both passes.
+template <int BLOCKS, bool kStream>
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_one_half(const c10::BFloat16* xb, int64_t K32,
+                                                                       int64_t Kp, const c10::BFloat16* wt,
+                                                                       const c10::BFloat16* tail, int h,
+                                                                       float* sums) {
+  static_assert(BLOCKS == 3 || BLOCKS == 4);
+  constexpr int64_t R = atom::amx::kRows;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  if constexpr (BLOCKS == 4) _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K32; k0 += AMX_K) {
+    const c10::BFloat16* wk = amx_step<kStream>(wt, tail, k0, Kp) + h * R * 2;
+    _tile_loadd(4, wk, AMX_WS);
+    _tile_loadd(5, xb + k0, K32 * 2);
+    _tile_loadd(6, xb + R * K32 + k0, K32 * 2);
+    _tile_dpbf16ps(0, 5, 4);
+    _tile_loadd(7, xb + 2 * R * K32 + k0, K32 * 2);
+    _tile_dpbf16ps(1, 6, 4);
+    if constexpr (BLOCKS == 4) _tile_loadd(5, xb + 3 * R * K32 + k0, K32 * 2);
+    _tile_dpbf16ps(2, 7, 4);
+    if constexpr (BLOCKS == 4) _tile_dpbf16ps(3, 5, 4);
+  }
+  _tile_stored(0, sums + h * R, TILE * 4);
+  _tile_stored(1, sums + R * TILE + h * R, TILE * 4);
+  _tile_stored(2, sums + 2 * R * TILE + h * R, TILE * 4);
+  if constexpr (BLOCKS == 4) _tile_stored(3, sums + 3 * R * TILE + h * R, TILE * 4);
+}
+
+// Up to AMX_GROUP row blocks of xb against tile wt, the sums into `sums`.
+template <bool kStream>
+inline void amx_group(const c10::BFloat16* xb, int64_t blocks, int64_t K32, int64_t Kp, const c10::BFloat16* wt,
+                      const c10::BFloat16* tail, float* sums) {
+  switch (blocks) {
+    case 1: return amx_both_halves<1, kStream>(xb, K32, Kp, wt, tail, sums);
+    case 2: return amx_both_halves<2, kStream>(xb, K32, Kp, wt, tail, sums);
+    case 3:
+      amx_one_half<3, kStream>(xb, K32, Kp, wt, tail, 0, sums);
+      return amx_one_half<3, false>(xb, K32, Kp, wt, tail, 1, sums);  // its lines came with the first half's
+    default:
+      amx_one_half<4, kStream>(xb, K32, Kp, wt, tail, 0, sums);
+      return amx_one_half<4, false>(xb, K32, Kp, wt, tail, 1, sums);
+  }
+}
+
+// y = x @ w.T for bfloat16 x [M, K32] (already padded: `xb`, rows a multiple of 16) and the
+// tiled bfloat16 weight (Kp k in pairs).
+void gemm_amx(const c10::BFloat16* xb, int64_t M, int64_t K32, int64_t Kp, const c10::BFloat16* w, int64_t N,
+              const float* bias, c10::BFloat16* y) {
+  constexpr int64_t R = atom::amx::kRows;
+  const int64_t blocks = atom::amx::padded_rows(M) / R, rest = Kp % AMX_K;
+  at::parallel_for(0, (N + TILE - 1) / TILE, 2, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[AMX_GROUP * R * TILE];
+    alignas(64) c10::BFloat16 tail[AMX_K * TILE] = {};  // zeros past the weight's last pairs
+    atom::amx::configure();
+    for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* wt = w + t * TILE * Kp;
+      if (rest) std::memcpy(tail, wt + (Kp - rest) * TILE, rest * TILE * sizeof(c10::BFloat16));
+      for (int64_t b0 = 0; b0 < blocks; b0 += AMX_GROUP) {
+        const c10::BFloat16* xr = xb + b0 * R * K32;
+        const int64_t n = std::min(AMX_GROUP, blocks - b0);
+        // the first group streams the tile; the others read it from cache
+        if (b0 == 0) amx_group<true>(xr, n, K32, Kp, wt, tail, sums);
+        else amx_group<false>(xr, n, K32, Kp, wt, tail, sums);
+        const int64_t m0 = b0 * R, m1 = std::min(M, m0 + n * R);
+        for (int64_t m = m0; m < m1; ++m) store_sums(sums + (m - m0) * TILE, N, bias, y + m * N, t);
+      }
+    }
+    atom::amx::release();
+  });
+}
+#endif
+
 }  // namespace
 
 // Up to this many rows, Linear takes this kernel over oneDNN's packed GEMM (which rereads
@@ -298,6 +451,10 @@ constexpr int64_t MAX_ROWS = 64;
 // prompts included, so that float32 weights keep only the tiled copy: with AVX2 (six rows a
 // pass from cache, against oneDNN's AVX2 kernels on Zen 2), not with AVX-512, where oneDNN's
 // kernels ran near the machine's GEMM rate (docs/performance.md, "float32 at every row count").
+// From this many rows bfloat16 rows against bfloat16 weights run in AMX tiles where they are
+// on (`set_amx`; builds for AVX-512 BF16 on CPUs with AMX).
+constexpr int64_t AMX_MIN_ROWS = 4;
+
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool F32_EVERY_ROW = true;
 #else
@@ -333,6 +490,12 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::
   // x padded to the weight's K (a zero after an odd K: bfloat16 weights go in pairs)
   auto padded = [&](const at::Tensor& t) { return Kp == K ? t.contiguous() : at::constant_pad_nd(t, {0, Kp - K}); };
 #if defined(__AVX512BF16__)
+  if (wt == at::kBFloat16 && xt == at::kBFloat16 && M >= AMX_MIN_ROWS && atom::amx::on.load()) {
+    const int64_t K32 = (Kp + AMX_K - 1) / AMX_K * AMX_K;
+    const at::Tensor xb = at::constant_pad_nd(x, {0, K32 - K, 0, atom::amx::padded_rows(M) - M}).contiguous();
+    gemm_amx(xb.data_ptr<c10::BFloat16>(), M, K32, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
   if (wt == at::kBFloat16 && xt == at::kBFloat16) {
     const at::Tensor xc = padded(x);
     gemm_impl(xc.data_ptr<c10::BFloat16>(), M, Kp, w.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<c10::BFloat16>());
@@ -1155,7 +1318,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm_dense", &qgemm_dense, "qgemm's product at act_bits 8 for 4-bit w, the weight widened to bfloat16 through oneDNN's micro-kernel: for a prompt's rows on CPUs with AMX (CPU)",
         py::arg("x"), py::arg("qw"), py::arg("d"), py::arg("mn"), py::arg("N"), py::arg("bias"), py::arg("out") = py::none());
   m.def("dense_usable", &dense_usable, "whether qgemm_dense's bfloat16 micro-kernel runs on this CPU");
+  m.def("set_amx", &atom::amx::set, "multiply bfloat16 rows by bfloat16 weights in AMX tiles from AMX_MIN_ROWS rows (on) or with vdpbf16ps; returns whether the tiles are on (only where this build, the CPU and Linux allow them)");
+  m.def("amx_tiles", [] { return atom::amx::on.load(); }, "whether bfloat16 rows run in AMX tiles (`set_amx`)");
   m.attr("MAX_ROWS") = MAX_ROWS;
+  m.attr("AMX_MIN_ROWS") = AMX_MIN_ROWS;
   m.attr("F32_EVERY_ROW") = F32_EVERY_ROW;
   m.attr("STREAM_PREFETCH") = simd::stream_nta ? "nta" : "t2";  // how weight streams are prefetched (simd.h)
   m.attr("TILE") = TILE;
