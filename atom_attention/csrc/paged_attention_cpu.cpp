@@ -1060,9 +1060,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none(),
         pybind11::arg("out") = pybind11::none());  // the buffer to write (atom::output)
   m.def("write_kv", &write_kv, "scatter new K/V rows into their pool slots (CPU)");
-  m.def("set_amx", [](bool on) {
-    return atom::amx::set(on);
-  }, "multiply the tiled path's bfloat16 pairs in AMX tiles (on) or with vdpbf16ps; returns whether the tiles are on (only where this build, the CPU and Linux allow them)");
+  m.def("set_amx", &atom::amx::set, "multiply the tiled path's bfloat16 pairs in AMX tiles (on) or with vdpbf16ps; returns whether the tiles are on (only where this build, the CPU and Linux allow them)");
   // Head dims whose long query runs (prompt chunks) are tiled, in float32 and bfloat16;
   // others walk the keys once per token. dispatch_dim instantiates these.
   static_assert(kVectorized<float, 64> && kVectorized<float, 128> && kVectorized<float, 576>);

@@ -447,14 +447,14 @@ void gemm_amx(const c10::BFloat16* xb, int64_t M, int64_t K32, int64_t Kp, const
 // benchmarks/decode_profile.py --batch 32).
 constexpr int64_t MAX_ROWS = 64;
 
-// Whether this build's float32 passes outran oneDNN's packed float32 GEMM at every row count,
-// prompts included, so that float32 weights keep only the tiled copy: with AVX2 (six rows a
-// pass from cache, against oneDNN's AVX2 kernels on Zen 2), not with AVX-512, where oneDNN's
-// kernels ran near the machine's GEMM rate (docs/performance.md, "float32 at every row count").
 // From this many rows bfloat16 rows against bfloat16 weights run in AMX tiles where they are
 // on (`set_amx`; builds for AVX-512 BF16 on CPUs with AMX).
 constexpr int64_t AMX_MIN_ROWS = 4;
 
+// Whether this build's float32 passes outran oneDNN's packed float32 GEMM at every row count,
+// prompts included, so that float32 weights keep only the tiled copy: with AVX2 (six rows a
+// pass from cache, against oneDNN's AVX2 kernels on Zen 2), not with AVX-512, where oneDNN's
+// kernels ran near the machine's GEMM rate (docs/performance.md, "float32 at every row count").
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool F32_EVERY_ROW = true;
 #else
