@@ -212,8 +212,10 @@ class Config:
     enforce_eager: bool = attrs.field(default=True, validator=boolean)
     # Decode steps of up to this many requests replay a recorded graph of their kernel calls
     # instead of running the model's Python (atom_core/runner/decode_graph.py; vLLM's
-    # max_cudagraph_capture_size). 0: every step runs module by module.
-    max_graph_capture_size: int = attrs.field(default=8, validator=non_negative_int)
+    # max_cudagraph_capture_size). Their intermediate buffers share one arena
+    # (runner/graph_arena.py), so each row count's graph costs little memory. 0: every step runs
+    # module by module.
+    max_graph_capture_size: int = attrs.field(default=32, validator=non_negative_int)
     # Seed for requests that bring none of their own.
     seed: int = attrs.field(default=0, validator=non_negative_int)
     # `atom serve`: engine-core processes, each with the whole model and a share of the cores

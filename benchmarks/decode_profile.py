@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace, graphs: bool) -> tuple[list[float], dict[s
     engine = LLMEngine(
         str(fetch_default_model(quiet=True)), dtype=args.dtype, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, activation_bits=args.activation_bits, max_model_len=1024,
-        kv_cache_memory=1 << 29, max_graph_capture_size=8 if graphs else 0,
+        kv_cache_memory=1 << 29, **({} if graphs else dict(max_graph_capture_size=0)),
     )  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     if graphs:

@@ -22,12 +22,14 @@ from conftest import require_kernel  # noqa: E402
 from model_utils import random_prompts, run_with_logits  # noqa: E402
 
 from atom_attention.gdn.builder import GDNImpl, GDNMetadataBuilder  # noqa: E402
+from atom_core import SamplingParams  # noqa: E402
 from atom_core.engine.llm_engine import LLMEngine  # noqa: E402
 from atom_core.layers import graph_capture  # noqa: E402
 from atom_core.layers.cpp import compiler, kernels_enabled  # noqa: E402
 from atom_core.layers.graph_capture import CaptureUnsupported, record  # noqa: E402
 from atom_core.layers.ops import cpu_ops  # noqa: E402
 from atom_core.runner.decode_graph import DecodeGraphs  # noqa: E402
+from atom_core.runner.graph_arena import GraphArena, Slot, plan  # noqa: E402
 
 # family -> whether its decode steps replay
 FAMILIES = {
@@ -153,6 +155,97 @@ def test_a_forward_that_reads_values_back_runs_eagerly_with_one_log_line(family,
     assert list(graphs.graphs.values()) == [None]  # one attempt, not one per row count
     (line,) = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]
     assert "depends on tensor values" in line and "decode steps run eagerly" in line
+
+
+def test_graphs_of_alternating_sizes_share_one_arena(tiny_folder):
+    """One long request, and short ones joining and leaving: decode steps of 1, 2 and 3 rows
+    alternate, so each size's graph replays after the others have written the arena they share.
+    Tokens and logits are the plain path's, bit for bit."""
+    require_kernel(cpu_ops())
+    folder = tiny_folder("llama")
+    prompts = random_prompts([9, 4, 6, 12, 5, 7, 3, 8], seed=5)
+
+    def alternate(graphs: int) -> tuple[list, dict, LLMEngine]:
+        engine = LLMEngine(folder, dtype="float32", num_kvcache_blocks=24, max_model_len=128,
+                           max_graph_capture_size=graphs)  # fmt: skip
+        greedy = dict(temperature=0, ignore_eos=True)
+        engine.add_request(prompts[0], SamplingParams(max_tokens=60, **greedy))
+        logits: dict[str, list] = {}
+        step = 0
+        while engine.has_unfinished_requests():
+            if step % 6 == 3 and step // 6 < len(prompts) - 1:  # a request of 3-5 tokens joins
+                engine.add_request(prompts[1 + step // 6], SamplingParams(max_tokens=3 + step % 3, **greedy))
+            engine.step()
+            step += 1
+            for rid, row in zip(engine.runner.last_req_ids, engine.runner.last_logits):
+                logits.setdefault(rid, []).append(row.clone())
+        return [torch.stack(v) for v in logits.values()], engine.runner.run_model, engine
+
+    plain, _, _ = alternate(0)
+    graphed, run_model, engine = alternate(8)
+    assert len(graphed) == len(plain) == len(prompts)
+    for a, b in zip(plain, graphed):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert {1, 2}.issubset(run_model.graphs) and run_model.replays > 30
+    arena = run_model.arena.arena
+    assert arena is not None
+    for graph in run_model.graphs.values():  # each graph's intermediates are views of the one arena
+        keys = {graph_capture.storage_key(t) for t in graph_capture.tensors([a for _, a, _ in graph.calls])}
+        assert graph_capture.storage_key(arena) in keys
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_arena_plan_never_overlaps_buffers_in_use():
+    """Two recorded graphs of torch ops planned into one arena: buffers alive at the same call
+    never share a byte, the arena holds less than the buffers did, and replays of the two
+    graphs in turn, on new inputs each time, give what the ops give eagerly."""
+
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ w)
+        g = h * 2 + 1
+        return (torch.cat([g, h], dim=1).sum(dim=1, keepdim=True) * x).sin()
+
+    w = torch.randn(8, 8)
+    arena = GraphArena()
+    graphs = {}
+    for rows in (3, 5):
+        x = torch.randn(rows, 8)
+        with torch.inference_mode(), record() as recorder:
+            out = forward(x, w)
+        template, needs = plan(recorder.calls, recorder.produced, keep={graph_capture.storage_key(out)})
+        spans = {}  # slot -> (first call, last call)
+        for i, (_, args, kwargs) in enumerate(template):
+            for slot in _slots((args, kwargs)):
+                spans[slot] = (spans.get(slot, (i, i))[0], i)
+        assert len(spans) >= 5 and needs < sum(s.size[0] * s.size[1] * 4 for s in spans)
+        for a, (a0, a1) in spans.items():
+            for b, (b0, b1) in spans.items():
+                if a != b and a0 <= b1 and b0 <= a1:  # in use together: disjoint bytes
+                    assert (
+                        a.offset + a.size[0] * a.size[1] * 4 <= b.offset
+                        or b.offset + b.size[0] * b.size[1] * 4 <= a.offset
+                    )
+        graph = type("G", (), {})()
+        graph.calls = arena.add(template, needs, graph, out.device)
+        graphs[rows] = (graph, x, out)
+    for _ in range(3):
+        for graph, x, out in graphs.values():
+            x.copy_(torch.randn_like(x))
+            with torch.inference_mode():
+                for fn, args, kwargs in graph.calls:
+                    fn(*args, **kwargs)
+            torch.testing.assert_close(out, forward(x, w), rtol=0, atol=0)
+
+
+def _slots(values) -> list[Slot]:
+    if isinstance(values, Slot):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [s for v in values for s in _slots(v)]
+    if isinstance(values, dict):
+        return [s for v in values.values() for s in _slots(v)]
+    return []
 
 
 def test_graphs_off_where_they_cannot_apply(tiny_folder, caplog, monkeypatch):

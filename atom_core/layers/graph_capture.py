@@ -86,14 +86,34 @@ def _copy_into(result: torch.Tensor, func: torch._ops.OpOverload, args: tuple, k
     result.copy_(func(*args, **kwargs))
 
 
+def tensors(values: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a call's arguments, nested lists, tuples and dicts included."""
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif isinstance(values, (list, tuple)):
+        for v in values:
+            yield from tensors(v)
+    elif isinstance(values, dict):
+        for v in values.values():
+            yield from tensors(v)
+
+
 def _has_tensor(values: Any) -> bool:
-    return any(
-        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and _has_tensor(v))
-        for v in (values.values() if isinstance(values, dict) else values)
-    )
+    return next(tensors(values), None) is not None
 
 
 Call = tuple[Callable[..., Any], tuple, dict]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Which buffer `t` lies in: tensors viewing the same storage share it."""
+    return t.untyped_storage().data_ptr()
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether `t` is its storage, every byte of it (a fresh output, not a view or a part)."""
+    return (t._base is None and t.numel() > 0 and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())  # fmt: skip
 
 
 class Recorder(TorchDispatchMode):
@@ -102,6 +122,9 @@ class Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[Call] = []
+        # buffers a recorded call made and wrote whole: their values never outlive a replay, so
+        # a graph may lay them out anew (`graph_arena`)
+        self.produced: set[int] = set()
         self._inside = 0  # > 0 while a launched kernel runs: its own torch ops are its business
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,6 +151,7 @@ class Recorder(TorchDispatchMode):
         outputs = (result,) if isinstance(result, torch.Tensor) else tuple(result)
         if not outputs or not all(isinstance(t, torch.Tensor) for t in outputs):
             raise CaptureUnsupported(f"{func} returns {type(result).__name__}, not tensors")
+        self._produce(outputs, (args, kwargs))
         twin = _out_overload(func, len(outputs))
         if twin is not None:
             op, names = twin
@@ -144,8 +168,14 @@ class Recorder(TorchDispatchMode):
             result = kernel(*args)
         finally:
             self._inside -= 1
+        if returns_out:
+            self._produce((result,), args)
         self.calls.append((kernel, (*args, result) if returns_out else args, {}))
         return result
+
+    def _produce(self, outputs: tuple[torch.Tensor, ...], inputs: Any) -> None:
+        read = {storage_key(t) for t in tensors(inputs)}  # an output that is an input was not made here
+        self.produced.update(key for t in outputs if _whole(t) and (key := storage_key(t)) not in read)
 
 
 _recorder: Recorder | None = None

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from atom_core.forward_context import get_forward_context
-from atom_core.layers.graph_capture import Call, CaptureUnsupported, record
+from atom_core.layers.graph_capture import Call, CaptureUnsupported, record, storage_key
 from atom_core.runner.attention_builder import STEP_ONLY, AttentionMetadata, AttentionMetadataBuilder
+from atom_core.runner.graph_arena import GraphArena, plan
 
 logger = logging.getLogger("atom")
 
@@ -129,6 +130,7 @@ class DecodeGraphs:
                  builders: dict[str, AttentionMetadataBuilder]):  # fmt: skip
         self.model, self.max_size, self.max_blocks, self.builders = model, max_size, max_blocks, builders
         self.graphs: dict[int, StepGraph | None] = {}  # rows -> graph (None: this size runs eagerly)
+        self.arena = GraphArena()  # the graphs' intermediate buffers, shared
         self.replays = 0  # steps served by a replay (tests and benchmarks read it)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,10 @@ class DecodeGraphs:
             self._restore(restores)
             self._off(n, f"a decode step of %d rows cannot be recorded ({e})")
             return self.model(input_ids, positions)
-        self.graphs[n] = StepGraph(recorder.calls, (input_ids, positions), dict(metas), output)
+        template, needs = plan(recorder.calls, recorder.produced, keep={storage_key(output)})
+        graph = StepGraph([], (input_ids, positions), dict(metas), output)
+        graph.calls = self.arena.add(template, needs, graph, output.device)
+        self.graphs[n] = graph
         return output
 
 
