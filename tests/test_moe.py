@@ -329,10 +329,14 @@ def test_packed_experts_against_float64(dtype, hidden, inter, kernel_variant, mo
     ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
     ref = per_token_loop(moe, x, w, ids)
     moe.process_weights_after_loading()
-    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:  # no oneDNN bfloat16: the streaming kernels
+    features = cpu_features()
+    if dtype == torch.bfloat16 and not features.onednn_bf16:  # no oneDNN bfloat16: the streaming kernels
         assert moe.expert_gemms is not None and moe.w13 is None
-    else:
+    elif ops.usable(x):
         assert moe.packed is not None and moe.w13 is None
+    else:  # torch's bfloat16 micro-kernel needs avx512_bf16 or AMX: each expert's oneDNN Linear
+        assert dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & features.flags
+        assert moe.packed is None and moe.expert_gemms is not None and moe.w13 is None
     out = moe(x, w, ids)
     assert out.dtype == dtype
     # bfloat16 rounds the GEMM outputs, silu and the product as transformers does; outputs are ~3

@@ -13,8 +13,9 @@ one pass: faster than giving every small GEMM all the threads, and than oneDNN's
 linear per expert, at every row count measured (docs/kernels.md). Elsewhere a
 Python loop over the active experts does the same work with `F.linear`, with each expert's
 streaming kernel (weights oneDNN has no kernels for: float16, and bfloat16 without
-AVX-512), or with each expert's quantized kernels when `Config.quantization` quantized
-them (`quant`).
+AVX-512), with each expert's oneDNN Linear (bfloat16 on AVX-512 CPUs without avx512_bf16,
+whose bfloat16 micro-kernel torch refuses), or with each expert's quantized kernels when
+`Config.quantization` quantized them (`quant`).
 
 Checkpoints store experts one by one (`experts.{e}.gate_proj.weight`, Mixtral's
 `experts.{e}.w1.weight`); `FusedMoE.checkpoint_mapping` turns those names into
@@ -38,7 +39,7 @@ from atom_core.distributed.communication import all_reduce
 from atom_core.distributed.parallel_state import divide, get_tp_group
 from atom_core.layers.checkpoint_slice import materialize, reads_slices
 from atom_core.layers.cpp import CppKernel
-from atom_core.layers.gemm import StreamingGemm, onednn_takes, pick_gemm
+from atom_core.layers.gemm import onednn_takes, pick_gemm
 from atom_core.layers.graph_capture import launch
 from atom_core.layers.ops import silu_and_mul
 from atom_core.layers.quantized_gemm import pick_quantized_gemm
@@ -231,18 +232,20 @@ class FusedMoE(nn.Module):
             return
         if self.activation != "silu" or self.w13_bias is not None:
             return  # the C++ loop runs SiLU without biases: the per-expert path runs these
-        if not onednn_takes(self.w13.dtype):
-            # oneDNN has no kernels for these weights here (float16; bfloat16 without AVX-512):
-            # each expert's own streaming kernel, which keeps them in 16 bits (`pick_gemm`), where it builds
+        # The C++ loop's micro-kernel is oneDNN's: it needs oneDNN kernels for this dtype, and
+        # torch's bfloat16 brgemm also needs avx512_bf16 (or AMX), which `usable` checks.
+        ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") or not onednn_takes(self.w13.dtype) else moe_ops()
+        if ops is None or not ops.usable(self.w13):
+            # Each expert's own GEMMs instead (`pick_gemm`): the streaming kernel, which keeps
+            # 16-bit weights oneDNN has no kernels for (float16; bfloat16 without AVX-512) in 16
+            # bits, or oneDNN's packed Linear (bfloat16 on AVX-512 without avx512_bf16, kernels
+            # off); plain `F.linear` stays on slices of the stacks.
             gemms = [
                 (pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)
             ]
-            if all(isinstance(g[0], StreamingGemm) for pair in gemms for g in pair):
+            if all(gemm is not F.linear for pair in gemms for gemm, _ in pair):
                 self.expert_gemms = gemms
                 self.w13 = self.w2 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
-            return
-        ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") else moe_ops()  # the micro-kernel is oneDNN's
-        if ops is None or not ops.usable(self.w13):
             return
         self.packed = (pack_panels(self.w13.data, ops.PANEL), pack_panels(self.w2.data, ops.PANEL))
         self.w13 = None  # type: ignore[assignment]  # torch keeps a dropped parameter as None
