@@ -42,7 +42,7 @@ def best_seconds(fn, reps: int) -> float:
 def machine_rate(dtype: torch.dtype, reps: int) -> float:
     """FLOP/s of one large square GEMM, the best of `reps` through torch's `mm` and through
     oneDNN on a packed weight (at float32 the second is the faster here). bfloat16 on a CPU
-    without bfloat16 arithmetic (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT): the
+    without bfloat16 arithmetic (avx512_bf16, AMX or AVX-NE-CONVERT): the
     float32 rate, as every engine there widens the values and runs float32 FMAs."""
     if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
         return machine_rate(torch.float32, reps)

@@ -54,15 +54,22 @@ def load(job: dict[str, Any]) -> tuple[Any, str]:
         hint = "f32"
         if isa == "avx2":
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+    core = ov.Core()
+    native_bf16 = "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if hint == "bf16" and not native_bf16:
+        # Without AVX512_BF16 or AMX the CPU plugin lists no BF16 capability and its paged
+        # attention refuses a bf16 hint (it requires f32 KV types): f32 is what it runs there.
+        hint = "f32"
     if hint:
         properties["INFERENCE_PRECISION_HINT"] = hint
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
-    core = ov.Core()
     default_hint = _type_name(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
     setup = (f"OpenVINO {ov.get_version().split('-')[0]}, GenAI {genai.__version__.split('-')[0]}, "
              f"IR {Path(job['model']).name}, INFERENCE_PRECISION_HINT {hint or f'{default_hint} (CPU default)'}, "
              f"KV cache {_type_name(core.get_property('CPU', 'KV_CACHE_PRECISION'))} (CPU default), "
              f"INFERENCE_NUM_THREADS {job['threads']}")  # fmt: skip
+    if job["precision"] == "bf16" and not native_bf16:
+        setup += " (no BF16 in the CPU's OPTIMIZATION_CAPABILITIES: f32 for the bf16 cell)"
     if isa:
         dq = "no dynamic quantization (it needs VNNI)" if isa == "avx2" else "dynamic quantization on"
         setup += (f", at {isa}: ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, hint f32 "

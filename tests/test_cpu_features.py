@@ -24,8 +24,9 @@ ALDER_LAKE = ZEN3 | {"avx_vnni"}  # Intel client cores since Alder Lake: AVX-VNN
     "flags,machine,best,bf16",
     [
         (ZEN5, "x86_64", "avx512_bf16", True),
-        (SKYLAKE_SP, "x86_64", "avx512", True),
-        (CASCADE_LAKE, "x86_64", "avx512_vnni", True),
+        (SKYLAKE_SP, "x86_64", "avx512", False),  # AVX-512 without avx512_bf16: oneDNN emulates bfloat16
+        (CASCADE_LAKE, "x86_64", "avx512_vnni", False),
+        (CASCADE_LAKE | {"amx_bf16"}, "x86_64", "avx512_vnni", True),
         (ZEN3, "x86_64", "avx2", False),
         (ALDER_LAKE, "x86_64", "avx2_vnni", False),
         (ALDER_LAKE | {"avx_ne_convert"}, "x86_64", "avx2_vnni", True),  # Intel client CPUs with AVX-NE-CONVERT

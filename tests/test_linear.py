@@ -48,7 +48,7 @@ def loaded(layer: Linear, dtype: torch.dtype) -> Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_gemm_matches_plain_at_every_row_count(dtype, bias):
     """oneDNN's packed weight where it has kernels for the dtype, the streaming kernel's tiles
-    where only Atom's kernels serve it (bfloat16 without AVX-512), and torch's GEMM on the
+    where only Atom's kernels serve it (bfloat16 without avx512_bf16 or AMX), and torch's GEMM on the
     plain weight where neither does (that, with the C++ kernels off)."""
     layer = loaded(Linear(96, 80, bias=bias), dtype)
     weight = layer.weight.detach().clone()

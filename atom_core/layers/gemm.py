@@ -117,8 +117,8 @@ def streaming_rows(dtype: torch.dtype, ops: ModuleType) -> int:
 class StreamingGemm:
     """The weight-streaming kernel on its own tiled copy (`gemv_weight`, in huge pages when
     loaded in a `weight_arena`): for 1 to `max_rows` rows beside packed oneDNN, or for every
-    row count (`every_row`) where oneDNN has no kernel for the dtype (bfloat16 without
-    AVX-512), the tiled copy then the only one."""
+    row count (`every_row`) where Atom does not give the dtype to oneDNN (bfloat16 without
+    avx512_bf16 or AMX: `cpu_features().onednn_bf16`), the tiled copy then the only one."""
 
     def __init__(self, weight: torch.Tensor, ops: ModuleType, every_row: bool = False):
         self.out_features, self.in_features = weight.shape

@@ -12,9 +12,9 @@ whole experts to threads, each expert's gather, GEMMs, activation and weighting 
 one pass: faster than giving every small GEMM all the threads, and than oneDNN's packed
 linear per expert, at every row count measured (docs/kernels.md). Elsewhere a
 Python loop over the active experts does the same work with `F.linear`, with each expert's
-streaming kernel (weights oneDNN has no kernels for: float16, and bfloat16 without
-AVX-512), with each expert's oneDNN Linear (bfloat16 on AVX-512 CPUs without avx512_bf16,
-whose bfloat16 micro-kernel torch refuses), or with each expert's quantized kernels when
+streaming kernel (weights Atom does not give oneDNN: float16, and bfloat16 without
+avx512_bf16 or AMX), with each expert's oneDNN Linear (where torch refuses its bfloat16
+micro-kernel but oneDNN takes the weights), or with each expert's quantized kernels when
 `Config.quantization` quantized them (`quant`).
 
 Checkpoints store experts one by one (`experts.{e}.gate_proj.weight`, Mixtral's
@@ -237,9 +237,9 @@ class FusedMoE(nn.Module):
         ops = None if os.environ.get("ATOM_DISABLE_ONEDNN") or not onednn_takes(self.w13.dtype) else moe_ops()
         if ops is None or not ops.usable(self.w13):
             # Each expert's own GEMMs instead (`pick_gemm`): the streaming kernel, which keeps
-            # 16-bit weights oneDNN has no kernels for (float16; bfloat16 without AVX-512) in 16
-            # bits, or oneDNN's packed Linear (bfloat16 on AVX-512 without avx512_bf16, kernels
-            # off); plain `F.linear` stays on slices of the stacks.
+            # 16-bit weights oneDNN has no kernels for (float16; bfloat16 without avx512_bf16) in 16
+            # bits, or oneDNN's packed Linear (where torch's bfloat16 micro-kernel is missing, or
+            # the kernels are off); plain `F.linear` stays on slices of the stacks.
             gemms = [
                 (pick_gemm(w13, streaming=False), pick_gemm(w2, streaming=False)) for w13, w2 in zip(self.w13, self.w2)
             ]

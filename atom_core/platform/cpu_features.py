@@ -152,9 +152,13 @@ class CpuFeatures:
 
     @property
     def onednn_bf16(self) -> bool:
-        """Whether oneDNN's bfloat16 kernels (packed bfloat16 Linear) run here: torch refuses
-        them without avx512bw/vl/dq or avx_ne_convert."""
-        return {"avx512bw", "avx512vl", "avx512dq"} <= self.flags or "avx_ne_convert" in self.flags
+        """Whether Atom hands bfloat16 weights to oneDNN (packed bfloat16 Linear): where the CPU
+        multiplies bfloat16 itself (avx512_bf16, AMX) or converts it (avx_ne_convert). torch
+        refuses them without avx512bw/vl/dq or avx_ne_convert, and on AVX-512 CPUs without
+        avx512_bf16 (Skylake-SP to Ice Lake) oneDNN emulates them at about a quarter of the
+        rate of Atom's kernels, which widen the weights as they read them."""
+        avx512 = {"avx512bw", "avx512vl", "avx512dq"} <= self.flags
+        return (avx512 and bool({"avx512_bf16", "amx_bf16"} & self.flags)) or "avx_ne_convert" in self.flags
 
     @property
     def amx_bf16(self) -> bool:

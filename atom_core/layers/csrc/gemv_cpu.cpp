@@ -1,6 +1,6 @@
 // Weight-streaming GEMM: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built for decode steps (M of
 // 1 to MAX_ROWS rows), and serving any M where oneDNN has no kernel for the weights' dtype
-// (bfloat16 on CPUs without AVX-512).
+// (bfloat16 on CPUs without avx512_bf16 or AMX, where oneDNN lacks or emulates it).
 //
 // At a few rows a Linear is a stream over its weight: each weight is read once and used M
 // times, so the kernel's job is to keep the memory bus busy (oneDNN's packed GEMM reads it
