@@ -92,13 +92,17 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBand
     every = dtype == torch.float32 and bool(ops.F32_EVERY_ROW)  # the kernel `Linear` gives prompts too
     with weight_arena():
         streamed = [StreamingGemm(w, ops, every_row=every) for w in weights]  # its tiled copy, in huge pages
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
+    # oneDNN packs bfloat16 only with AVX-512 (or AVX-NE-CONVERT); elsewhere the peer is torch's own linear
+    packs = dtype != torch.bfloat16 or cpu_features().onednn_bf16
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if packs else w for w in weights]
+    peer_name = "" if packs else " (torch linear)"
     nbytes = sum(w.nbytes for w in weights)
     # bfloat16 where the build and CPU multiply in AMX tiles: with them and without (vdpbf16ps)
     tiles = [True, False] if dtype == torch.bfloat16 and ops.set_amx(True) else [None]
     for m in (m for m in rows if m <= ops.MAX_ROWS or every):  # the layer's route to it (past it, oneDNN)
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
-        calls = [lambda w=w, p=p: _onednn_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
+        peer = _onednn_linear if packs else torch.nn.functional.linear
+        calls = [lambda w=w, p=p: peer(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
         onednn = nbytes / best_time(calls, repeats) / 1e9
         for amx in tiles:
             if amx is not None:
@@ -107,7 +111,7 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBand
                 lambda: nbytes / best_time([lambda g=g: kernel(g, xs[g.in_features]) for g in streamed], repeats) / 1e9
             )
             how = "" if amx is None else ", AMX tiles" if amx and m >= ops.AMX_MIN_ROWS else ", vdpbf16ps"
-            row(f"{str(dtype).removeprefix('torch.')} ({variant}{how})", m, mine, machine, onednn)
+            row(f"{str(dtype).removeprefix('torch.')} ({variant}{how})", m, mine, machine, onednn, peer_name)
     ops.set_amx(cpu_features().amx_bf16)  # as `gemv_ops` leaves it
 
 

@@ -115,12 +115,15 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm, StreamingGroupGemm
     from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
+    # oneDNN packs bfloat16 only with AVX-512 (or AVX-NE-CONVERT): elsewhere its float32 GEMM is the reference
+    dense = torch.bfloat16 if cpu_features().onednn_bf16 else torch.float32
+
     def onednn(w: torch.Tensor):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_ROWS)
-        return lambda x: _onednn_linear(x.bfloat16(), packed, None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dense), PACK_ROWS)
+        return lambda x: _onednn_linear(x.to(dense), packed, None)
 
     formats = {
-        "bfloat16 (oneDNN)": onednn,
+        f"{str(dense).removeprefix('torch.')} (oneDNN)": onednn,
         "int8 per channel": lambda w: Int8PackGemm(quantize_int8(w)),
         "int8 groups of 32": lambda w: Int4PackGemm(quantize_int8(w, 32)),
         "int4 groups of 32": lambda w: Int4PackGemm(quantize_int4(w, 32)),
