@@ -52,3 +52,17 @@ def test_decode_attention_runs_or_says_the_kernel_is_off():
         return
     out = run(BENCHMARKS / "decode_attention.py", *args)
     assert "| smollm2 | 1 | 600 |" in out and "| mla | 1 | 600 |" in out
+
+
+def test_gemv_bandwidth_runs_bfloat16_on_any_cpu():
+    """Its peer column is oneDNN's packed GEMM where oneDNN packs bfloat16 (AVX-512, AVX-NE-CONVERT)
+    and torch's linear elsewhere: an AVX2-only CPU once raised oneDNN's error here."""
+    from atom_core.layers.gemm import gemv_ops
+
+    args = ["--rows", "1,9", "--repeats", "1", "--weights", "bfloat16"]
+    if gemv_ops() is None:  # ATOM_CPU_KERNELS=0: one clear line, no traceback
+        result = launch(BENCHMARKS / "gemv_bandwidth.py", *args)
+        assert result.returncode != 0 and "unavailable" in result.stderr and "Traceback" not in result.stderr
+        return
+    out = run(BENCHMARKS / "gemv_bandwidth.py", *args)
+    assert "| bfloat16 (" in out and "| 1 |" in out and "| 9 |" in out
