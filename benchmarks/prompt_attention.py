@@ -7,20 +7,26 @@ a paged pool whose blocks are shuffled, as an engine's are after a while; torch 
 contiguous (`F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`, its flash
 attention on CPU) and so does no gathering. Each result is checked against a float64
 reference first. Prints milliseconds a layer, GMAC/s (the causal half of both products)
-and Atom over torch.
+and Atom over torch. `--against FILE` also builds FILE (another version of
+`paged_attention_cpu.cpp`, e.g. `git show HEAD~3:atom_attention/csrc/paged_attention_cpu.cpp`)
+as a kernel of its own, times it beside this tree's in alternating rounds (best of each over
+`--rounds`), says whether the two give the same bits, and prints this tree over it.
 
     .venv/bin/python benchmarks/prompt_attention.py [--prompt 512] [--heads 9 --kv-heads 3 --dim 64] [--threads 2]
+        [--against FILE] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from atom_attention import cpu_kernels
+from atom_core.layers.cpp import CppKernel
 from atom_core.platform.cpu_features import cpu_features
 
 
@@ -43,12 +49,20 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", type=Path, help="another paged_attention_cpu.cpp to time beside this one")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds with --against")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_kernels.load()
     variant = cpu_kernels.PAGED_ATTENTION_KERNEL.status()
     if ops is None:
         raise SystemExit("the C++ attention kernel did not build (see `atom env`)")
+    other = None
+    if args.against:
+        built = CppKernel("atom_paged_attention_against", args.against.resolve()).load()
+        if built is None:
+            raise SystemExit(f"{args.against} did not build (see the log line above)")
+        other = built.paged_attention
     T, H, KVH, D, bs = args.prompt, args.heads, args.kv_heads, args.dim, args.block_size
     nb = -(-T // bs)
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +75,9 @@ def main() -> None:
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), kernel variant {variant}, "
           f"{args.threads} threads")  # fmt: skip
     print(f"one layer, {T}-token prompt, {H} heads / {KVH} KV heads of {D}")
-    print("| queries / cache | Atom ms | Atom GMAC/s | torch SDPA ms | Atom over torch |\n|---|---:|---:|---:|---:|")
+    extra = f" {args.against.name} ms | this tree over it | same bits |" if other else ""
+    print("| queries / cache | Atom ms | Atom GMAC/s | torch SDPA ms | Atom over torch |" + extra)
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---|" if other else ""))
     for name, qdt, cdt in [
         ("float32 / float32", torch.float32, torch.float32),
         ("float32 / bfloat16", torch.float32, torch.bfloat16),
@@ -96,8 +112,22 @@ def main() -> None:
         tol = 1e-4 if cdt == torch.float32 else 3e-2
         torch.testing.assert_close(atom().double(), ref, atol=tol, rtol=tol)
         torch.testing.assert_close(sdpa()[0].transpose(0, 1).double(), ref, atol=tol, rtol=tol)
-        a, t = best_of(atom), best_of(sdpa)
-        print(f"| {name} | {a * 1e3:.3f} | {macs / a / 1e9:.0f} | {t * 1e3:.3f} | {t / a:.2f}x |")
+        t = best_of(sdpa)
+        if other is None:
+            a = best_of(atom)
+            print(f"| {name} | {a * 1e3:.3f} | {macs / a / 1e9:.0f} | {t * 1e3:.3f} | {t / a:.2f}x |")
+            continue
+        theirs = torch.empty_like(q)
+
+        def against() -> torch.Tensor:
+            return other(q, k_cache, v_cache, tables, lens, starts, scale, out=theirs)
+
+        same = torch.equal(atom(), against())
+        a = b = float("inf")
+        for _ in range(args.rounds):  # alternating: this host's speed drifts within minutes
+            a, b = min(a, best_of(atom, 10)), min(b, best_of(against, 10))
+        print(f"| {name} | {a * 1e3:.3f} | {macs / a / 1e9:.0f} | {t * 1e3:.3f} | {t / a:.2f}x | {b * 1e3:.3f} | "
+              f"{b / a:.2f}x | {'yes' if same else 'no'} |")  # fmt: skip
 
 
 if __name__ == "__main__":

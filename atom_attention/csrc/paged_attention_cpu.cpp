@@ -521,7 +521,7 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
                  int64_t context, int64_t j0, int64_t j1, int64_t h, int64_t group, const void* kt,
                  const uint32_t* vt, const T* vbase, const int64_t* table, int64_t vb, int64_t vr,
                  int64_t block_size, float scale, const Options& opt, std::vector<float>& work,
-                 std::vector<const T*>& vrows) {
+                 std::vector<const T*>& vrows, const float* vwide) {
   constexpr bool kPair = kPairs<Q, T, D>;
   using K = Tiled<T, D>;
   constexpr int C = K::kChunk;
@@ -623,6 +623,10 @@ void attend_tile(const Q* qp, int64_t qs0, int64_t qs1, Q* op, int64_t os0, int6
         if constexpr (kPair) {
           for (int64_t i = 0; i < rows; ++i) PairTiled<D>::round_pairs(s + i * B + c, pb + i * C / 2);
           PairTiled<D>::accumulate(pb, rows, vt + (b0 + c) * D / 2, (cn + 1) / 2, acc);
+        } else if (vwide) {  // the values widened once (`widen_values`): float32's loop, the same sums
+          const float* wrows[C];
+          for (int64_t t = 0; t < cn; ++t) wrows[t] = vwide + (b0 + c + t) * D;
+          Tiled<float, D>::accumulate(s + c, B, rows, wrows, cn, acc);
         } else {
           for (int64_t t = 0; t < cn; ++t) {
             const int64_t key = b0 + c + t;
@@ -812,6 +816,20 @@ void pair_values(const T* vbase, const int64_t* table, int64_t vb, int64_t vr, i
   }
 }
 
+// Request r's values for KV head h widened to float32, key t's row at vt[t * dim]: a 16-bit
+// cache's V rows on the tiled path with 16 registers, where `Tiled::accumulate` would widen
+// each row again for every kAccRows (two) rows of a tile, one widening a vector per two FMAs.
+// Widening is exact, so the sums are the same bits as over the cache itself.
+template <typename T>
+void widen_values(const T* vbase, const int64_t* table, int64_t vb, int64_t vr, int64_t block_size, int64_t keys,
+                  int64_t dim, float* vt) {
+  for (int64_t t = 0; t < keys; ++t) {
+    const T* row = vbase + table[t / block_size] * vb + (t % block_size) * vr;
+    float* dst = vt + t * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(row[d]);
+  }
+}
+
 // q, out: [tokens, heads, dim]; k_cache, v_cache: [kv_heads, blocks, block_size, dim]
 // (rows contiguous); block_tables: [reqs, max_blocks]. Request i owns tokens
 // [query_start_loc[i], query_start_loc[i + 1]), the last n of its context_lens[i]
@@ -895,6 +913,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   constexpr bool kPair = kPairs<Q, T, D>;
   std::vector<float> kt(kPair ? 0 : kt_size);
   std::vector<uint32_t> kt2(kPair ? kt_size / 2 : 0), vt2(kPair ? kt_size / 2 : 0);
+  // a 16-bit cache's values, widened once (`widen_values`), at kt's offsets; with 16 registers
+  // only (AVX-512's passes take six rows, and widening as they load was not measured against it)
+  constexpr bool kWidenValues = kTiled && !kPair && !kWide && !std::is_same_v<T, float>;
+  std::vector<float> vt32(kWidenValues ? kt_size : 0);
   if (kt_size > 0) {
     at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -907,6 +929,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
           pair_values<kChunk>(vp + h * vh, table, vb, vr, block_size, ctx[r], dim, vt2.data() + at / 2);
         } else {
           transpose_keys<kChunk>(kp + h * kh, table, kb, kr, block_size, ctx[r], dim, kt.data() + at);
+          if constexpr (kWidenValues) widen_values(vp + h * vh, table, vb, vr, block_size, ctx[r], dim, vt32.data() + at);
         }
       }
     });
@@ -946,7 +969,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         const void* keys = kPair ? static_cast<const void*>(kt2.data() + at / 2) : kt.data() + at;
         attend_tile<Q, T, D>(qp, qs0, qs1, op, os0, os1, starts[r], n, ctx[r], task.j0,
                              std::min(n, task.j0 + kTileTokens), h, group, keys, kPair ? vt2.data() + at / 2 : nullptr,
-                             vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows);
+                             vp + h * vh, table, vb, vr, block_size, fscale, opt, qf, vrows,
+                             kWidenValues ? vt32.data() + at : nullptr);
       }
     }
     atom::amx::release();  // where this thread configured the tiles
