@@ -51,6 +51,14 @@ def torch_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torc
     return out.squeeze(2)
 
 
+def against_kernel(source: Path) -> Callable:
+    """`paged_attention` of another `paged_attention_cpu.cpp`, built as a kernel of its own."""
+    other = CppKernel("atom_paged_attention_against", source.resolve()).load()
+    if other is None:
+        raise SystemExit(f"{source} did not build (see the log line above)")
+    return other.paged_attention
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2,mla,llama8b", help=f"of {', '.join(SHAPES)}")
@@ -72,10 +80,7 @@ def main() -> None:
         raise SystemExit("Atom's C++ attention kernel is not built here (ATOM_CPU_KERNELS=0, or no compiler)")
     engines: dict[str, Callable] = {"atom": ops.paged_attention}
     if args.against:
-        other = CppKernel("atom_paged_attention_against", args.against.resolve()).load()
-        if other is None:
-            raise SystemExit(f"{args.against} did not build (see the log line above)")
-        engines["against"] = other.paged_attention
+        engines["against"] = against_kernel(args.against)
     print(f"{cpu_features().description()}; {args.threads} threads, {args.dtype}, blocks of {BLOCK}")
     columns = " | ".join(
         ["atom us", "torch us", "Atom over torch"] + (["against us", "Atom over against"] if args.against else [])

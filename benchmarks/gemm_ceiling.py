@@ -25,6 +25,7 @@ import torch
 
 from atom_core.engine.fetch import fetch_default_model
 from atom_core.engine.llm_engine import LLMEngine
+from atom_core.layers.gemm import onednn_takes
 from atom_core.layers.linear import Linear
 from atom_core.platform.cpu_features import cpu_features
 
@@ -44,7 +45,7 @@ def machine_rate(dtype: torch.dtype, reps: int) -> float:
     oneDNN on a packed weight (at float32 the second is the faster here). bfloat16 on a CPU
     without bfloat16 arithmetic (avx512_bf16, AMX or AVX-NE-CONVERT): the
     float32 rate, as every engine there widens the values and runs float32 FMAs."""
-    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
+    if not onednn_takes(dtype):
         return machine_rate(torch.float32, reps)
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)

@@ -31,7 +31,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from atom_core.layers.gemm import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops
+from atom_core.layers.gemm import PACK_ROWS, StreamingGemm, _onednn_linear, gemv_ops, onednn_takes
 from atom_core.layers.quantized_gemm import Int4PackGemm, StreamingGroupGemm
 from atom_core.layers.quantized_weight import quantize_int4
 from atom_core.platform.cpu_features import cpu_features
@@ -92,16 +92,15 @@ def float_rows(dtype: torch.dtype, rows: list[int], repeats: int, copy: CopyBand
     every = dtype == torch.float32 and bool(ops.F32_EVERY_ROW)  # the kernel `Linear` gives prompts too
     with weight_arena():
         streamed = [StreamingGemm(w, ops, every_row=every) for w in weights]  # its tiled copy, in huge pages
-    # oneDNN packs bfloat16 only with AVX-512 (or AVX-NE-CONVERT); elsewhere the peer is torch's own linear
-    packs = dtype != torch.bfloat16 or cpu_features().onednn_bf16
+    # where oneDNN has no kernels for the dtype (bfloat16 without AVX-512), the peer is torch's own linear
+    packs = onednn_takes(dtype)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if packs else w for w in weights]
-    peer_name = "" if packs else " (torch linear)"
+    peer, peer_name = (_onednn_linear, "") if packs else (torch.nn.functional.linear, " (torch linear)")
     nbytes = sum(w.nbytes for w in weights)
     # bfloat16 where the build and CPU multiply in AMX tiles: with them and without (vdpbf16ps)
     tiles = [True, False] if dtype == torch.bfloat16 and ops.set_amx(True) else [None]
     for m in (m for m in rows if m <= ops.MAX_ROWS or every):  # the layer's route to it (past it, oneDNN)
         xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
-        peer = _onednn_linear if packs else torch.nn.functional.linear
         calls = [lambda w=w, p=p: peer(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)]
         onednn = nbytes / best_time(calls, repeats) / 1e9
         for amx in tiles:

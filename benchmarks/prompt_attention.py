@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from decode_attention import against_kernel  # benchmarks/
 
 from atom_attention import cpu_kernels
-from atom_core.layers.cpp import CppKernel
 from atom_core.platform.cpu_features import cpu_features
 
 
@@ -57,12 +57,7 @@ def main() -> None:
     variant = cpu_kernels.PAGED_ATTENTION_KERNEL.status()
     if ops is None:
         raise SystemExit("the C++ attention kernel did not build (see `atom env`)")
-    other = None
-    if args.against:
-        built = CppKernel("atom_paged_attention_against", args.against.resolve()).load()
-        if built is None:
-            raise SystemExit(f"{args.against} did not build (see the log line above)")
-        other = built.paged_attention
+    other = against_kernel(args.against) if args.against else None
     T, H, KVH, D, bs = args.prompt, args.heads, args.kv_heads, args.dim, args.block_size
     nb = -(-T // bs)
     gen = torch.Generator().manual_seed(0)

@@ -111,12 +111,12 @@ def kernel_times(rows: tuple[int, ...] = (1, 8)) -> None:
     and for its LM head, per weight format, random weights of the model's shapes."""
     from gemv_bandwidth import SHAPES as shapes  # benchmarks/: SmolLM2's layer GEMMs
 
-    from atom_core.layers.gemm import PACK_ROWS, _onednn_linear, gemv_ops
+    from atom_core.layers.gemm import PACK_ROWS, _onednn_linear, gemv_ops, onednn_takes
     from atom_core.layers.quantized_gemm import Int4PackGemm, Int8PackGemm, StreamingGroupGemm
     from atom_core.layers.quantized_weight import quantize_int4, quantize_int8
 
-    # oneDNN packs bfloat16 only with AVX-512 (or AVX-NE-CONVERT): elsewhere its float32 GEMM is the reference
-    dense = torch.bfloat16 if cpu_features().onednn_bf16 else torch.float32
+    # where oneDNN has no bfloat16 kernels (no AVX-512), its float32 GEMM is the reference
+    dense = torch.bfloat16 if onednn_takes(torch.bfloat16) else torch.float32
 
     def onednn(w: torch.Tensor):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dense), PACK_ROWS)
