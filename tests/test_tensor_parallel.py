@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -200,7 +201,20 @@ def test_each_rank_holds_its_slices_and_they_make_the_whole(llama, tmp_path):
         assert torch.equal(torch.cat([ranks[0][name], ranks[1][name]], dim=dim), ckpt[name])
 
 
-def test_a_rank_that_raises_fails_the_engine_and_leaves_no_process(llama, tmp_path, monkeypatch):
+@pytest.fixture(params=["SIGCHLD default", "SIGCHLD ignored"])
+def sigchld(request):
+    """The host program's SIGCHLD: ignored, the kernel reaps the ranks and their exit codes read 0."""
+    if request.param == "SIGCHLD default":
+        yield
+        return
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+
+
+def test_a_rank_that_raises_fails_the_engine_and_leaves_no_process(llama, tmp_path, monkeypatch, sigchld):
     from tp_fault_plugin import FAULT_TOKEN
 
     folder, _ = llama
@@ -209,14 +223,14 @@ def test_a_rank_that_raises_fails_the_engine_and_leaves_no_process(llama, tmp_pa
     config = json.loads((faulty / "config.json").read_text())
     config["architectures"] = ["FaultyRankLlamaForCausalLM"]
     (faulty / "config.json").write_text(json.dumps(config))
+    from atom_core.plugins.manager import get_plugin_manager
+
+    pm = get_plugin_manager()  # before ATOM_PLUGINS is set: a manager made after it would load the plugin too
     # the worker rank loads the plugin from the environment; this process registers it itself
     monkeypatch.setenv("ATOM_PLUGINS", "tp_fault_plugin")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     import tp_fault_plugin
 
-    from atom_core.plugins.manager import get_plugin_manager
-
-    pm = get_plugin_manager()
     pm.register(tp_fault_plugin)
     try:
         engine = LLMEngine(faulty, tensor_parallel_size=2, **ENGINE)

@@ -60,17 +60,23 @@ class MultiprocExecutor(DistributedExecutor):
         return str(Path(self._dir) / f"rank{rank}.json")
 
     def rank_failure(self) -> str | None:
+        """What a failed rank reported, given up to `EXIT_GRACE_S` to exit. Its error file comes
+        first: a rank writes it before it exits, while its exit code may be lost (where this
+        program ignores SIGCHLD, the kernel reaps the ranks and `Popen` reads 0)."""
         deadline = time.monotonic() + EXIT_GRACE_S
-        for rank, p in enumerate(self.processes, 1):
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                continue
-            if p.returncode:
-                return (
-                    read_error(self._error_file(rank)) or f"tensor-parallel rank {rank} exited with code {p.returncode}"
-                )
-        return None
+        while True:
+            running = False
+            for rank, p in enumerate(self.processes, 1):
+                code = p.poll()  # before the file: a rank seen exited has written all it will
+                reported = read_error(self._error_file(rank))
+                if reported is not None:
+                    return reported
+                if code:
+                    return f"tensor-parallel rank {rank} exited with code {code}"
+                running |= code is None
+            if not running or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def stop_ranks(self) -> None:
         for p in self.processes:

@@ -26,8 +26,10 @@ def write_error(path: str | None, rank: int, e: BaseException) -> None:
     if not path:
         return
     message = {"rank": rank, "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(path, "w") as f:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
         json.dump(message, f)
+    os.replace(partial, path)  # whole or absent: rank 0 may read it before this rank exits
 
 
 def read_error(path: str) -> str | None:
