@@ -3,6 +3,7 @@ kernel vs the torch path. Random weights at a real model's shapes (DeepSeek-V2-L
 default: 16 heads, latent 512 + 64, qk_nope 128, v 128); no model, no scheduler.
 
     python benchmarks/mla_paths.py [--heads 16] [--dtype bfloat16] [--threads 1] [--decode-only]
+        [--decode 1x1024,16x1024,64x512,16x4096]
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--decode", default="1x1024,16x1024,64x512,16x4096", help="decode cases, requests x context")
     args = ap.parse_args()
     print(cpu_features().description(), flush=True)
     torch.set_num_threads(args.threads)
@@ -91,7 +93,7 @@ def main() -> None:
         print(f"  {n:5d} new tokens over {cached:5d} cached   {times[0]:8.2f}   {times[1]:8.2f}")
     kernel = cpu_kernels.load() is not None  # None: ATOM_CPU_KERNELS=0, or no build
     print("decode (absorbed)                       C++ kernel   torch" + ("" if kernel else "  (C++ kernels off)"))
-    for reqs, ctx in ((1, 1024), (16, 1024), (64, 512), (16, 4096)):
+    for reqs, ctx in (map(int, case.split("x")) for case in args.decode.split(",")):
         setup_args = setup(**dims, ctx=[ctx] * reqs, q_lens=[1] * reqs)
         cpp = f"{timed(CpuMLAAttention(), *setup_args):8.2f}" if kernel else f"{'-':>8}"
         tor = timed(TorchMLAAttention(), *setup_args)

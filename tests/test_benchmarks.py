@@ -38,8 +38,8 @@ def test_kv_capacity_runs():
 
 
 def test_mla_paths_decode_runs():
-    out = run(BENCHMARKS / "mla_paths.py", "--decode-only", "--threads", "2")
-    assert out.count("requests x") == 4
+    out = run(BENCHMARKS / "mla_paths.py", "--decode-only", "--threads", "2", "--decode", "1x256,4x256,2x512")
+    assert out.count("requests x") == 3 and "  4 requests x   256 tokens" in out
 
 
 def test_decode_attention_runs_or_says_the_kernel_is_off():
