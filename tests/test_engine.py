@@ -589,6 +589,32 @@ def test_checkpoint_problems_are_named_by_the_checkpoint_tensor(tiny, tmp_path):
         LLMEngine(tmp_path / "fake.gguf")
 
 
+def test_a_model_is_built_without_random_values_and_torch_init_is_left_as_it_was(tiny, monkeypatch):
+    from atom_core.runner.model_runner import ModelRunner
+
+    folder, _ = tiny
+    before = {name: getattr(torch.nn.init, name) for name in ("normal_", "kaiming_uniform_", "uniform_")}
+    built = []
+    instantiate = ModelRunner.instantiate
+
+    def spy(self, make):
+        model = instantiate(self, make)
+        built.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        return model
+
+    monkeypatch.setattr(ModelRunner, "instantiate", spy)
+    engine = LLMEngine(folder, num_kvcache_blocks=32, max_model_len=128)
+    # as built, before the checkpoint: no draws (nn.Linear and nn.Embedding draw theirs), only
+    # constants: zeros where torch would draw, a norm's ones
+    drawn = [name for name, p in built[0].items() if p.unique().numel() > 1]
+    assert built and not drawn and not built[0]["model.layers.0.self_attn.qkv_proj.weight"].any(), drawn
+    # loaded: the checkpoint's values
+    assert engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0]["token_ids"]
+    assert {name: getattr(torch.nn.init, name) for name in before} == before
+    layer = torch.nn.Linear(64, 64)  # a user's module after the engine: drawn as torch draws it
+    assert layer.weight.std() > 0.01
+
+
 def test_a_sampler_plugin_is_picked_by_name(tiny, plugin_manager):
     from atom_core import hookimpl
 

@@ -13,7 +13,9 @@ the shards in its `expected_shards` if it has them, else every shard of its owne
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +34,33 @@ GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # Buffers some checkpoints carry that models recompute.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# torch's random initializers, which `nn.Linear`, `nn.Embedding` and the like call as they are built.
+RANDOM_INITS = (
+    "uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def zeros_for_random_init() -> Iterator[None]:
+    """Build a model whose weights a checkpoint fills: torch's random initializers write zeros.
+
+    `load_model_weights` refuses a model any parameter of which the checkpoint leaves unfilled,
+    so the random values are never used; drawing them took seconds for a small model (and
+    minutes for a large one) at every start. Zeros, not `torch.empty`'s leftovers: a part a
+    loader leaves alone (a padding row) reads the same in every process. As transformers'
+    `no_init_weights`, this swaps `torch.nn.init`'s functions for the duration."""
+    saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
+    zeros = nn.init.zeros_
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: zeros(tensor))
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:

@@ -23,7 +23,7 @@ from atom_core.forward_context import Context, reset_forward_context, set_forwar
 from atom_core.kv.layout import KVPoolPlan
 from atom_core.layers.cpp import give_cores_back
 from atom_core.layers.linear import batch_invariant_gemms, mark_lm_heads, prepare_lm_head_screens, process_weights
-from atom_core.loading.checkpoint import load_model_weights
+from atom_core.loading.checkpoint import load_model_weights, zeros_for_random_init
 from atom_core.loading.quantize import quantize_model
 from atom_core.platform.memory import keep_freed_memory_mapped, release_freed_heap, weight_arena
 from atom_core.plugins.manager import get_registry
@@ -199,11 +199,12 @@ class ModelRunner:
         return self.load_weights(model, self.config.model, quantize=True)
 
     def instantiate(self, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-        """`make()` with its parameters in the runner's dtype, on its device (a target or a draft model)."""
+        """`make()` with its parameters in the runner's dtype, on its device (a target or a draft
+        model), zeros until `load_weights` fills them."""
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), zeros_for_random_init():
                 return make()
         finally:
             torch.set_default_dtype(previous)
