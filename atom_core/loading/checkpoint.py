@@ -48,10 +48,10 @@ def zeros_for_random_init() -> Iterator[None]:
     """Build a model whose weights a checkpoint fills: torch's random initializers write zeros.
 
     `load_model_weights` refuses a model any parameter of which the checkpoint leaves unfilled,
-    so the random values are never used; drawing them took seconds for a small model (and
-    minutes for a large one) at every start. Zeros, not `torch.empty`'s leftovers: a part a
-    loader leaves alone (a padding row) reads the same in every process. As transformers'
-    `no_init_weights`, this swaps `torch.nn.init`'s functions for the duration."""
+    so the random values are never used, and drawing them was most of building a model, at
+    every start (it grows with the parameter count). Zeros, not `torch.empty`'s leftovers: a
+    part a loader leaves alone (a padding row) reads the same in every process. As
+    transformers' `no_init_weights`, this swaps `torch.nn.init`'s functions for the duration."""
     saved = {name: getattr(nn.init, name) for name in RANDOM_INITS}
     zeros = nn.init.zeros_
     for name in saved:
