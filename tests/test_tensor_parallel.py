@@ -403,7 +403,7 @@ def is_worker(pid: int) -> bool:
 
 
 RAY_SCRIPT = """
-import json, sys
+import json, os, sys
 import ray
 from ray.cluster_utils import Cluster
 from atom_core import SamplingParams
@@ -416,6 +416,10 @@ ray.init(address=cluster.address)
 try:
     with LLMEngine(folder, tensor_parallel_size=2, distributed_executor="ray", **engine) as e:
         out = e.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        ranks = [p for p in os.listdir("/proc") if p.isdigit() and b"RankActor" in open(f"/proc/{p}/cmdline", "rb").read()]
+        # each rank's niceness over this process's (Ray's workers run at +15 unless told otherwise)
+        print("NICE", json.dumps([int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[16]) - os.nice(0)
+                                  for p in ranks]), flush=True)
     print("TOKENS", json.dumps([r["token_ids"] for r in out]), flush=True)
 finally:
     ray.shutdown()
@@ -425,7 +429,8 @@ finally:
 
 def test_ray_on_a_two_node_cluster_gives_one_ranks_tokens(llama, tmp_path):
     """The "ray" executor on a two-node `ray.cluster_utils.Cluster`, in a network namespace with
-    only loopback (`unshare -n`: Ray binds a non-loopback address where it finds one)."""
+    only loopback (`unshare -n`: Ray binds a non-loopback address where it finds one). The rank
+    actor runs at rank 0's priority, not at the +15 Ray gives its workers."""
     import importlib.util
     import subprocess
 
@@ -441,6 +446,8 @@ def test_ray_on_a_two_node_cluster_gives_one_ranks_tokens(llama, tmp_path):
     done = subprocess.run(["unshare", "-n", "sh", "-c", command], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [line] = [x for x in done.stdout.splitlines() if x.startswith("TOKENS")]
+    [nice] = [x for x in done.stdout.splitlines() if x.startswith("NICE")]
+    assert json.loads(nice.removeprefix("NICE ")) == [0]
     from atom_core import SamplingParams
 
     one = LLMEngine(folder, **ENGINE).generate(

@@ -19,6 +19,12 @@ from atom_core.config import Config
 from atom_core.distributed.parallel_state import init_tensor_parallel, resolve_backend
 from atom_core.executor.executor import STARTUP_TIMEOUT_S, DistributedExecutor, threads_per_rank
 
+# Ray lowers its workers' priority (niceness 15) so that its own services stay responsive; a rank,
+# though, steps in lockstep with rank 0, and under any other load on its cores a niced rank gets a
+# few percent of a core and every collective waits for it (a two-rank start took minutes beside one
+# busy process). The ranks keep the raylet's niceness instead, as Ray's own job drivers do.
+RANK_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+
 
 class RankActor:
     """One rank other than 0, as a Ray actor (made `ray.remote` by the executor)."""
@@ -77,7 +83,8 @@ class RayExecutor(DistributedExecutor):
         actor_cls = ray.remote(num_cpus=1)(RankActor)
         self.actors = [
             actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
+                runtime_env=RANK_RUNTIME_ENV,
             ).remote()
             for i in range(world - 1)
         ]
