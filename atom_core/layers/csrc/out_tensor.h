@@ -6,7 +6,11 @@
 // a write past its end.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and `empty` alone: torch/extension.h (the whole C++ frontend) would triple each
+// kernel's build time
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/accumulate.h>
 
 namespace atom {
 
