@@ -409,6 +409,26 @@ from ray.cluster_utils import Cluster
 from atom_core import SamplingParams
 from atom_core.engine.llm_engine import LLMEngine
 
+
+def read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # gone
+        return b""
+
+
+# each rank actor's niceness over this process's (Ray's workers run at +15 unless told otherwise):
+# the actors among this process's descendants (the raylets' workers), not another run's
+def ranks_niceness():
+    stats = {int(p): read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split() for p in os.listdir("/proc") if p.isdigit()}
+    ours, grown = {os.getpid()}, True
+    while grown:  # fields after the name: state, ppid, ..., nice (the 17th)
+        grown = {p for p, s in stats.items() if len(s) > 16 and int(s[1]) in ours} - ours
+        ours |= grown
+    return [int(stats[p][16]) - os.nice(0) for p in sorted(ours) if b"RankActor" in read(f"/proc/{p}/cmdline")]
+
+
 folder, engine = sys.argv[1], json.loads(sys.argv[2])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 cluster.add_node(num_cpus=1)  # a second node: the worker rank lands wherever the placement group puts it
@@ -416,10 +436,7 @@ ray.init(address=cluster.address)
 try:
     with LLMEngine(folder, tensor_parallel_size=2, distributed_executor="ray", **engine) as e:
         out = e.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        ranks = [p for p in os.listdir("/proc") if p.isdigit() and b"RankActor" in open(f"/proc/{p}/cmdline", "rb").read()]
-        # each rank's niceness over this process's (Ray's workers run at +15 unless told otherwise)
-        print("NICE", json.dumps([int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[16]) - os.nice(0)
-                                  for p in ranks]), flush=True)
+        print("NICE", json.dumps(ranks_niceness()), flush=True)
     print("TOKENS", json.dumps([r["token_ids"] for r in out]), flush=True)
 finally:
     ray.shutdown()
