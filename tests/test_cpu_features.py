@@ -137,6 +137,56 @@ def test_a_kernel_that_cannot_build_says_so_once_and_is_not_retried(tmp_path, mo
     assert len(calls) == 1
 
 
+# A module of Python's C API alone: it builds in a second, where ATen's headers take a minute.
+TINY_SOURCE = r"""
+#include <Python.h>
+#define TINY_STR2(x) #x
+#define TINY_STR(x) TINY_STR2(x)
+#define TINY_CAT2(a, b) a##b
+#define TINY_CAT(a, b) TINY_CAT2(a, b)
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, TINY_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+PyMODINIT_FUNC TINY_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module); }
+"""
+
+
+def test_a_checkout_elsewhere_with_the_same_sources_loads_the_build_without_compiling(
+    tmp_path, monkeypatch, declared_build_done
+):
+    """A build's folder is named by its sources, not the checkout's path: a fresh clone (CI's)
+    or a new environment loads what another one built, and torch's builder, which compiles
+    again for a source at another path, is not asked. Other sources get a folder of their own."""
+    from torch.utils import cpp_extension
+
+    from atom_core.layers import cpp
+
+    if cpp.compiler() is None:
+        pytest.skip("no C++ compiler on this host")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("ATOM_CPU_KERNELS", "1")  # also in the suite's kernels-off run
+    here, there = tmp_path / "here" / "tiny.cpp", tmp_path / "there" / "tiny.cpp"
+    for source in (here, there):
+        source.parent.mkdir()
+        source.write_text(TINY_SOURCE)
+    built = cpp.CppKernel("atom_tiny", here).load("portable")
+    assert built is not None and built.answer() == 42
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    elsewhere = cpp.CppKernel("atom_tiny", there)
+    assert elsewhere.build_dir("portable") == cpp.CppKernel("atom_tiny", here).build_dir("portable")
+    loaded = elsewhere.load("portable")
+    assert calls == [] and loaded is not None and loaded.answer() == 42
+    assert elsewhere.status("portable") == "portable"
+
+    there.write_text(TINY_SOURCE + "// changed\n")
+    changed = cpp.CppKernel("atom_tiny", there)
+    assert changed.build_dir("portable") != cpp.CppKernel("atom_tiny", here).build_dir("portable")
+    changed.load("portable")
+    assert len(calls) == 1  # built, in its own folder
+
+
 def test_kernels_off_and_no_compiler(tmp_path, monkeypatch, declared_build_done):
     from atom_core.layers.cpp import CppKernel
 

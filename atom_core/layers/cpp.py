@@ -23,6 +23,9 @@ priority instead (one at a time: a lock in the build root), runs the torch path 
 cores the compilers leave (`leave_cores_to_compilers`; `give_cores_back` returns them once the
 build is over), and later processes load the kernels: a first question on a fresh install is
 answered in seconds, not after the compiler. Whether a kernel is built is a marker its build leaves (`OK_FILE`), keyed as failures are.
+A build's folder is named by its sources, flags and torch, not by the checkout's path: a new
+clone or environment with the same sources loads the library another one built, directly
+(torch's builder would compile it again for a source at another path).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -98,6 +102,7 @@ class CppKernel:
         self._modules: dict[str, ModuleType | None] = {}
         self._why: dict[str, str] = {}
         self._default: ModuleType | None = None  # this CPU's build, once loaded
+        self._contents: dict[str, str] = {}  # variant -> `_content`, once a process
         self._keys: dict[tuple[str, str], str] = {}  # (variant, compiler) -> `_key`, once a process
         self._lock = threading.Lock()
 
@@ -146,10 +151,10 @@ class CppKernel:
         return f"torch path ({self._why.get(build, 'not loaded yet')})"
 
     def module_name(self, variant_name: str) -> str:
-        # The checkout's path is in the name too: two checkouts (a clone beside a working tree)
-        # would otherwise rebuild over each other's cache entry on every load.
-        where = hashlib.sha1(str(self.source.resolve().parent).encode()).hexdigest()[:6]
-        return f"{self.name}_{variant_name}_{where}"
+        """Named by what the build is made of (`_content`), not by where the checkout lies: a new
+        clone or environment with the same sources loads the build another one made, and two
+        checkouts whose sources differ never build over each other's folder."""
+        return f"{self.name}_{variant_name}_{self._content(variant_name)[:8]}"
 
     def cflags(self, variant_name: str) -> list[str]:
         ns = f"{self.name}_{variant_name}"
@@ -188,18 +193,25 @@ class CppKernel:
         key = self._key(variant_name, cxx)
         return any(_marker_key(build_dir / marker) == key for marker in (OK_FILE, FAILED_FILE))
 
+    def _content(self, variant_name: str) -> str:
+        """The sources, headers, flags and torch a build is made of (hashed once a process)."""
+        if variant_name not in self._contents:
+            import torch
+
+            h = hashlib.sha1()
+            for path in [self.source, *sorted(INCLUDE_DIR.glob("*.h"))]:
+                h.update(path.read_bytes())
+            h.update(" ".join(self.cflags(variant_name)).encode())
+            h.update(torch.__version__.encode())
+            self._contents[variant_name] = h.hexdigest()
+        return self._contents[variant_name]
+
     def _key(self, variant_name: str, cxx: str) -> str:
-        """What a build depended on: sources, headers, flags, torch and the compiler (computed
-        once a process: it runs the compiler, and a first load asks for it up to three times)."""
+        """What a build depended on: `_content` and the compiler (computed once a process: it
+        runs the compiler, and a first load asks for it up to three times)."""
         if (variant_name, cxx) in self._keys:
             return self._keys[variant_name, cxx]
-        import torch
-
-        h = hashlib.sha1()
-        for path in [self.source, *sorted(INCLUDE_DIR.glob("*.h"))]:
-            h.update(path.read_bytes())
-        h.update(" ".join(self.cflags(variant_name)).encode())
-        h.update(torch.__version__.encode())
+        h = hashlib.sha1(self._content(variant_name).encode())
         with contextlib.suppress(OSError):
             h.update(_compiler_version(cxx, os.stat(cxx).st_mtime_ns))
         key = self._keys[variant_name, cxx] = h.hexdigest()
@@ -224,11 +236,15 @@ class CppKernel:
                     variant_name, f"{record.get('reason')} (an earlier build; see {build_dir / LOG_FILE})"
                 )
             failed.unlink(missing_ok=True)  # something it depended on changed: try again
+        key = self._key(variant_name, cxx)
+        module = self._load_built(variant_name, build_dir, key)
+        if module is not None:
+            return module
         try:
             from torch.utils import cpp_extension
 
-            with _building(build_dir):
-                module = cpp_extension.load(
+            with _building(build_dir):  # (another process may have built it meanwhile)
+                module = self._load_built(variant_name, build_dir, key) or cpp_extension.load(
                     name=self.module_name(variant_name),
                     sources=[str(self.source)],
                     extra_include_paths=[str(INCLUDE_DIR)],
@@ -247,12 +263,31 @@ class CppKernel:
                 pass
             return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")
         self._why.pop(variant_name, None)
-        key = self._key(variant_name, cxx)
         if _marker_key(build_dir / OK_FILE) != key:  # (a cached build's marker is already there)
             try:
                 (build_dir / OK_FILE).write_text(json.dumps({"key": key}))
             except OSError:  # not remembered: a background-mode process builds it again (a no-op)
                 pass
+        return module
+
+    def _load_built(self, variant_name: str, build_dir: Path, key: str) -> ModuleType | None:
+        """The library in `build_dir` where its marker records `key`, imported as torch's builder
+        imports it but without that builder, which compiles again wherever the source's path
+        differs from the one it wrote down (another checkout's, with the same sources); None
+        where it is not there or does not load."""
+        from torch.utils.cpp_extension import LIB_EXT
+
+        name = self.module_name(variant_name)
+        library = build_dir / f"{name}{LIB_EXT}"
+        if _marker_key(build_dir / OK_FILE) != key or not library.is_file():
+            return None
+        try:
+            spec = importlib.util.spec_from_file_location(name, library)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception:  # (a library that does not load is built again)
+            return None
         return module
 
     def _unavailable(self, variant_name: str, why: str) -> ModuleType | None:
