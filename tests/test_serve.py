@@ -1086,6 +1086,37 @@ def test_64_streams_with_16_cut_leave_the_pool_whole(server, model_name, offline
     assert idle == [0.0, 0.0, 0.0]
 
 
+def test_the_cores_load_while_the_api_loads_its_tokenizer_and_a_failure_there_leaves_none(monkeypatch):
+    """`atom serve` starts the engine cores before it loads the tokenizer and the app (the two
+    loads overlap); where the tokenizer cannot load, the server stops with that error and the
+    cores it started go with it."""
+    import transformers
+
+    from atom_core.serve import server
+    from atom_core.serve.client import EngineClient
+
+    order: list[str] = []
+    cores: list = []
+    launch = EngineClient.launch
+
+    def launch_and_record(self):
+        launch(self)
+        order.append("cores")
+        cores.extend(self._processes)
+
+    def no_tokenizer(*args, **kwargs):
+        order.append("tokenizer")
+        assert all(p.is_alive() for p in cores)  # loading the model meanwhile
+        raise OSError("no tokenizer here")
+
+    monkeypatch.setattr(EngineClient, "launch", launch_and_record)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
+    with pytest.raises(OSError, match="no tokenizer here"):
+        server.serve(None, {"max_model_len": 256, "num_kvcache_blocks": 64}, port=free_port())
+    assert order == ["cores", "tokenizer"] and len(cores) == 1
+    assert not any(p.is_alive() for p in cores)
+
+
 def test_hostile_frames_on_both_sockets_are_dropped_and_requests_complete():
     """Frames sent from a socket of the test's own to the engine core's inbox and to the API
     side's outbox: garbage, a pickle, truncated, wrong types, an unknown tag, oversized."""

@@ -38,7 +38,7 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, quiet: 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out_dir = cache / "models" / DEFAULT_MODEL_NAME
     if _is_complete(out_dir):
-        from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
+        from atom_core.loading.gguf import GGUF_BLOCKS_FILE
 
         if not (out_dir / GGUF_BLOCKS_FILE).is_file():  # converted before Atom kept the quantized blocks
             from atom_core.loading.gguf.blocks import write_gguf_blocks

@@ -59,7 +59,7 @@ def resolve_model(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from atom_core.engine.fetch import default_cache_dir
-        from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
+        from atom_core.loading.gguf import GGUF_BLOCKS_FILE
         from atom_core.loading.gguf.blocks import write_gguf_blocks
         from atom_core.loading.gguf.convert import gguf_to_hf_folder
 

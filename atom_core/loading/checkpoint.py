@@ -24,13 +24,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from atom_core.layers.checkpoint_slice import CheckpointSlice, materialize
+from atom_core.loading.gguf import GGUF_BLOCKS_FILE
 
 # What `map_checkpoint_name` returns for a tensor the model leaves unread.
 SKIP = ("", "skip")
-
-# A GGUF file's quantized blocks, kept beside a converted folder's float weights for
-# `quantization="auto"` (atom_core/layers/quantized_weight.py); not a checkpoint shard.
-GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
 
 # Buffers some checkpoints carry that models recompute.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -27,7 +27,8 @@ from atom_core.layers.quantized_weight import (
     quantize_int4,
     quantize_int8,
 )
-from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE, checkpoint_target
+from atom_core.loading.checkpoint import checkpoint_target
+from atom_core.loading.gguf import GGUF_BLOCKS_FILE
 from atom_core.loading.gguf.blocks import load_blocks
 
 logger = logging.getLogger("atom")

@@ -76,6 +76,7 @@ class EngineClient:
         self._outstanding = [0] * self.size
         self._heard: dict[int, float] = {}  # rank -> loop time of its last message (heartbeats included)
         self._processes: list[Any] = []
+        self._dir: str | None = None  # the ranks' socket folder (`launch`)
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
         self.on_stats: Any = None  # called with (EngineStats, rank) after every step of a rank
@@ -96,26 +97,21 @@ class EngineClient:
                 config["kv_cache_memory"] = budget // self.size
         return config
 
-    async def start(self, timeout: float = 600.0) -> Ready:
-        """Start every rank and wait until each has loaded the model; raise if one dies first."""
-        loop = asyncio.get_running_loop()
+    def launch(self) -> None:
+        """Start every rank's process, which begins loading the model at once: the API process
+        can load its tokenizer meanwhile (`start` waits for them; it calls this if nobody has).
+        A rank connects to sockets `start` binds later, as ZeroMQ allows."""
+        if self._processes:
+            return
         if self.size > 1:  # built once here, not raced by the ranks
             from atom_core.layers.cpp import build_all
 
-            await loop.run_in_executor(None, build_all)
+            build_all()
         self._dir = tempfile.mkdtemp(prefix="atom-")
         os.chmod(self._dir, 0o700)
-        self._context = zmq.asyncio.Context()
-        self._from_core = self._context.socket(zmq.PULL)
-        self._from_core.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._from_core.bind(f"ipc://{self._dir}/out")
-        self._to_core = []
         spawn = multiprocessing.get_context("spawn")
         config = self._rank_config()
         for rank in range(self.size):
-            sock = self._context.socket(zmq.PUSH)
-            sock.bind(f"ipc://{self._dir}/in{rank}")
-            self._to_core.append(sock)
             process = spawn.Process(
                 target=run_core,
                 args=(self.model, config, f"ipc://{self._dir}/in{rank}", f"ipc://{self._dir}/out", self.threads, rank),
@@ -123,6 +119,30 @@ class EngineClient:
             )
             process.start()
             self._processes.append(process)
+
+    def kill(self) -> None:
+        """End the ranks `launch` started, where the server stops before `start` (its tokenizer
+        failed to load, say)."""
+        for process in self._processes:
+            process.kill()
+            process.join(10)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def start(self, timeout: float = 600.0) -> Ready:
+        """Start every rank (`launch`) and wait until each has loaded the model; raise if one dies first."""
+        loop = asyncio.get_running_loop()
+        if not self._processes:
+            await loop.run_in_executor(None, self.launch)
+        self._context = zmq.asyncio.Context()
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._from_core.bind(f"ipc://{self._dir}/out")
+        self._to_core = []
+        for rank in range(self.size):
+            sock = self._context.socket(zmq.PUSH)
+            sock.bind(f"ipc://{self._dir}/in{rank}")
+            self._to_core.append(sock)
         deadline = loop.time() + timeout
         ready: dict[int, Ready] = {}
         while len(ready) < self.size:
@@ -156,7 +176,8 @@ class EngineClient:
             sock.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _decode(self, frame: bytes) -> Any:
         try:

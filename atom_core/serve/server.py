@@ -36,23 +36,28 @@ def serve(
     """`tool_call_parser`: a tool_parsers registry name, for requests whose tool_choice is "auto"
     (`--enable-auto-tool-choice --tool-call-parser NAME`); `reasoning_parser`: a
     reasoning_parsers one, to split replies into `reasoning` and `content`."""
-    import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-    from transformers import AutoTokenizer
-
     from atom_core.engine.model_source import resolve_model
     from atom_core.plugins.manager import get_registry
     from atom_core.serve.client import EngineClient
-    from atom_core.serve.openai_api import build_app, error_body
 
     parser = get_registry("tool_parsers").get(tool_call_parser) if tool_call_parser else None  # unknown: fail now
     thinker = get_registry("reasoning_parsers").get(reasoning_parser) if reasoning_parser else None
     folder = resolve_model(model)  # a .gguf is converted here, once, before the core starts
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    client = EngineClient(str(folder), {**SERVE_DEFAULTS, **config}, threads=core_threads)
+    client.launch()  # the cores load the model while this process loads the tokenizer and the app
+    try:
+        import uvicorn
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+        from transformers import AutoTokenizer
+
+        from atom_core.serve.openai_api import build_app, error_body
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except BaseException:
+        client.kill()
+        raise
     name = served_model_name or (Path(model).stem if model else folder.name)
-    config = {**SERVE_DEFAULTS, **config}
-    client = EngineClient(str(folder), config, threads=core_threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,4 +79,8 @@ def serve(
                 return JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer <key>"), 401)
             return await call_next(request)
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", loop="asyncio")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", loop="asyncio")
+    finally:
+        if client.ready is None:  # the cores never came up (or the app never started them): none stays behind
+            client.kill()

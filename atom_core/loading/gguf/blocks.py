@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from atom_core.layers.quantized_weight import QuantizedWeight
-from atom_core.loading.checkpoint import GGUF_BLOCKS_FILE
+from atom_core.loading.gguf import GGUF_BLOCKS_FILE
 from atom_core.loading.gguf.reader import _describe, _unpermute
 
 _BLOCKS_FORMAT = "atom-gguf-blocks/1"
