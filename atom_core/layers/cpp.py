@@ -225,18 +225,18 @@ class CppKernel:
             build_dir = self.build_dir(variant_name)
         except OSError as e:  # an unwritable cache folder
             return self._unavailable(variant_name, f"cannot create its build folder: {e}")
+        key = self._key(variant_name, cxx)
         failed = build_dir / FAILED_FILE
         if failed.is_file():
             try:
                 record = json.loads(failed.read_text())
             except (OSError, ValueError):
                 record = {}
-            if record.get("key") == self._key(variant_name, cxx):
+            if record.get("key") == key:
                 return self._unavailable(
                     variant_name, f"{record.get('reason')} (an earlier build; see {build_dir / LOG_FILE})"
                 )
             failed.unlink(missing_ok=True)  # something it depended on changed: try again
-        key = self._key(variant_name, cxx)
         module = self._load_built(variant_name, build_dir, key)
         if module is not None:
             return module
@@ -258,7 +258,7 @@ class CppKernel:
             reason = _first_error(text)
             try:
                 (build_dir / LOG_FILE).write_text(text)
-                failed.write_text(json.dumps({"key": self._key(variant_name, cxx), "reason": reason}))
+                failed.write_text(json.dumps({"key": key, "reason": reason}))
             except OSError:  # not remembered: tried again next time
                 pass
             return self._unavailable(variant_name, f"{reason} (full output: {build_dir / LOG_FILE})")

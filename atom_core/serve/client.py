@@ -132,8 +132,7 @@ class EngineClient:
     async def start(self, timeout: float = 600.0) -> Ready:
         """Start every rank (`launch`) and wait until each has loaded the model; raise if one dies first."""
         loop = asyncio.get_running_loop()
-        if not self._processes:
-            await loop.run_in_executor(None, self.launch)
+        await loop.run_in_executor(None, self.launch)  # (nothing, where the server launched them already)
         self._context = zmq.asyncio.Context()
         self._from_core = self._context.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
