@@ -3,8 +3,10 @@ on a free loopback port, with the default model; offline `LLMEngine` is the refe
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -24,10 +26,28 @@ PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+# Where this worker's next port is looked for: a random start, so that two test runs at once
+# seldom try the same ports first.
+_PORTS = itertools.count(random.randrange(1000))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for a test's server: below Linux's ephemeral range (32768 up), in a
+    block of 1000 for each pytest-xdist worker. A port the OS handed out (a bind to port 0,
+    then closed) is back in that range until the server binds it, seconds later: any outgoing
+    connection may take it as its local port meanwhile (the server then cannot bind), and
+    another worker's server may be handed it too (the health check would answer for that one)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
+    for _ in range(1000):
+        port = base + next(_PORTS) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + 999}")
 
 
 def start_server(*flags: str, env: dict[str, str] | None = None, log=None):

@@ -314,8 +314,9 @@ def test_a_draft_model_is_refused_by_name_and_ngram_runs(llama):
 
 def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path):
     """Two `torchrun --nnodes 2` commands on loopback: node 0 runs the engine, node 1 `atom worker`."""
-    import socket
     import subprocess
+
+    from test_serve import free_port
 
     folder, _ = llama
     script = tmp_path / "run.py"
@@ -327,9 +328,7 @@ def test_torchrun_on_two_simulated_hosts_gives_one_ranks_tokens(llama, tmp_path)
         "    out = e.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
         "print('TOKENS', json.dumps([r['token_ids'] for r in out]))\n"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
