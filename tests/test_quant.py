@@ -459,8 +459,10 @@ def test_streaming_group_kernel_against_float64(bits, activation_bits, kernel_va
                 assert ((out.double() - ref).abs() <= bound).all()
                 tol = float(bound.max())
             assert (out.double() - ref).abs().max() <= tol
-            # batch-invariant: each row alone gives its row of the batch, bit for bit
+            # batch-invariant: each row alone gives its row of the batch, bit for bit, and so do
+            # the last two rows (one and two rows lay x out apart from larger batches)
             assert torch.equal(kernel(x[-1:]), out[-1:])
+            assert torch.equal(kernel(x[-2:]), out[-2:])
             assert torch.equal(kernel(x), out)  # the layer's route to it
             xb = x.bfloat16()  # bfloat16 activations: the same arithmetic, the output rounded once
             outb = kernel(xb)

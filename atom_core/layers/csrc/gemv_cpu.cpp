@@ -578,17 +578,22 @@ static_assert(quad_byte_inverts_quad_k());
 
 // x as ABITS-bit integers per group of 32, with dx and the float32 sum of each group. A
 // group is WORDS int32 words: int16 pairs (k = 2p, 2p + 1) or int8 quads (`quad_k`). Rows
-// are interleaved in blocks of QROWS, so that the rows a pass takes are one pointer with
-// constant offsets (a pointer per row ran out of general registers and spilled).
-template <int ABITS>
+// are interleaved in blocks of RB (QROWS), so that the rows a pass takes are one pointer
+// with constant offsets (a pointer per row ran out of general registers and spilled). One
+// or two rows (a batch-1 or -2 step) are blocks of their own (RB 1, 2): in a block of 8 a
+// row's words lay 32 bytes apart, and a pass read eight times the cache lines it needed,
+// which the weight stream kept evicting from L1 (and a second thread took from the first's
+// cache).
+template <int ABITS, int RB = QROWS>
 struct QRows {
+  static constexpr int BITS = ABITS, ROWS = RB;
   static constexpr int WORDS = ABITS == 16 ? 16 : 8;
   static constexpr float LIMIT = ABITS == 16 ? 32767.f : 127.f;
   std::vector<int32_t> q;  // see word()
   std::vector<float> scale, sum;  // see group()
   int64_t words = 0, groups = 0;  // per row
-  int64_t word(int64_t m, int64_t w) const { return ((m / QROWS) * words + w) * QROWS + m % QROWS; }
-  int64_t group(int64_t m, int64_t g) const { return ((m / QROWS) * groups + g) * QROWS + m % QROWS; }
+  int64_t word(int64_t m, int64_t w) const { return ((m / RB) * words + w) * RB + m % RB; }
+  int64_t group(int64_t m, int64_t g) const { return ((m / RB) * groups + g) * RB + m % RB; }
   // word w of a group from its rounded values r[0..31]
   static int32_t pack(const int32_t* r, int w) {
     if constexpr (ABITS == 16) return static_cast<int32_t>((static_cast<uint32_t>(r[2 * w]) & 0xFFFFu) |
@@ -661,10 +666,10 @@ inline void pack_group(const int32_t* r, int32_t* words) {
 #endif
 }
 
-template <int ABITS, typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, QRows<ABITS>& out) {
-  constexpr int W = QRows<ABITS>::WORDS;
-  const int64_t padded = (M + QROWS - 1) / QROWS * QROWS;
+template <int ABITS, int RB, typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QRows<ABITS, RB>& out) {
+  constexpr int W = QRows<ABITS, RB>::WORDS;
+  const int64_t padded = (M + RB - 1) / RB * RB;
   out.groups = K / 32;
   out.words = out.groups * W;
   out.q.resize(padded * out.words);
@@ -678,10 +683,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QRows<ABITS>& out) {
     int32_t words[W];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / out.groups, g = i % out.groups;
-      round_group(x + i * 32, QRows<ABITS>::LIMIT, r, out.scale[out.group(m, g)], out.sum[out.group(m, g)]);
+      round_group(x + i * 32, QRows<ABITS, RB>::LIMIT, r, out.scale[out.group(m, g)], out.sum[out.group(m, g)]);
       pack_group<ABITS>(r, words);
       int32_t* dst = out.q.data() + out.word(m, W * g);
-      for (int w = 0; w < W; ++w) dst[w * QROWS] = words[w];
+      for (int w = 0; w < W; ++w) dst[w * RB] = words[w];
     }
   });
 }
@@ -812,8 +817,8 @@ inline vi weight_vector(const uint8_t* const (&tg)[NT], int p, int v) {
 
 // The integer sums of one group of a pass's tiles for rows m0 .. m0 + MB: total[m][v] = sum
 // over k of q qx, a column a lane of vector v. xq: the group's words, row m's word w at
-// xq[w * QROWS + m].
-template <int MB, int NT, int BITS>
+// xq[w * RB + m].
+template <int MB, int NT, int BITS, int RB>
 inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&total)[MB][NT * kColVecs],
                        std::integral_constant<int, 16>) {
   constexpr int NV = NT * kColVecs, CH = kChains<MB, NV>;
@@ -827,7 +832,7 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
       UNROLL for (int v = 0; v < NV; ++v) load_w<BITS, NT>(tg, j, v, w[v]);
       UNROLL for (int m = 0; m < MB; ++m) {
         UNROLL for (int h = 0; h < 4; ++h) {
-          const vi xb = vi_set1(xq[(4 * j + h) * QROWS + m]);
+          const vi xb = vi_set1(xq[(4 * j + h) * RB + m]);
           UNROLL for (int v = 0; v < NV; ++v) sums[m][v][h % CH] = dot_pairs(sums[m][v][h % CH], w[v][h], xb);
         }
       }
@@ -839,7 +844,7 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
       vi w[NV];
       UNROLL for (int v = 0; v < NV; ++v) w[v] = weight_vector<BITS, NT>(tg, p, v);
       UNROLL for (int m = 0; m < MB; ++m) {
-        const vi xb = vi_set1(xq[p * QROWS + m]);
+        const vi xb = vi_set1(xq[p * RB + m]);
         UNROLL for (int v = 0; v < NV; ++v) sums[m][v][p % CH] = dot_pairs(sums[m][v][p % CH], w[v], xb);
       }
     }
@@ -851,7 +856,7 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
     }
 }
 
-template <int MB, int NT, int BITS>
+template <int MB, int NT, int BITS, int RB>
 inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&total)[MB][NT * kColVecs],
                        std::integral_constant<int, 8>) {
   static_assert(BITS == 4, "int8 activations take 4-bit weights");
@@ -870,7 +875,7 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
       hi[v] = and_vi(srli16<4>(x), 0x0F0F);
     }
     UNROLL for (int m = 0; m < MB; ++m) {
-      const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
+      const vi xa = vi_set1(xq[2 * j * RB + m]), xb = vi_set1(xq[(2 * j + 1) * RB + m]);
       UNROLL for (int v = 0; v < NV; ++v) {
         sums[m][v][(2 * j) % CH] = dot_quads(sums[m][v][(2 * j) % CH], lo[v], xa);
         sums[m][v][(2 * j + 1) % CH] = dot_quads(sums[m][v][(2 * j + 1) % CH], hi[v], xb);
@@ -895,7 +900,7 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
       hi[v] = and_vi(srli16<4>(x), 0x0F0F);
     }
     UNROLL for (int m = 0; m < MB; ++m) {
-      const vi xa = vi_set1(xq[2 * j * QROWS + m]), xb = vi_set1(xq[(2 * j + 1) * QROWS + m]);
+      const vi xa = vi_set1(xq[2 * j * RB + m]), xb = vi_set1(xq[(2 * j + 1) * RB + m]);
       UNROLL for (int v = 0; v < NV; ++v) s16[m][v] = madd_bytes(madd_bytes(s16[m][v], lo[v], xa), hi[v], xb);
     }
   }
@@ -908,12 +913,12 @@ inline void group_sums(const uint8_t* const (&tg)[NT], const int32_t* xq, vi (&t
 // tile's weight at wt + t * tile_bytes, its scales and mins at dt and mt + t * K / 2), rows
 // m0 .. m0 + MB of x; cols[t] columns of tile t are written (0: none). Each column gets the
 // same float operations in the same order as in any other pass or row count.
-template <int MB, int NT, int BITS, int ABITS, typename T>
-void qgemm_tile(const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+template <int MB, int NT, int BITS, typename XS, typename T>
+void qgemm_tile(const XS& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
                 const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[NT],
                 int64_t tile_bytes, const int (&cols)[NT]) {
   constexpr int64_t GROUP_BYTES = BITS * 64;  // 16 columns x 32 values
-  constexpr int W = QRows<ABITS>::WORDS, NV = NT * kColVecs;
+  constexpr int W = XS::WORDS, NV = NT * kColVecs;
   const int64_t groups = K / 32;
   const uint8_t* base[NT];
   const c10::Half *dbase[NT], *mbase[NT];
@@ -939,7 +944,8 @@ void qgemm_tile(const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt
       simd::prefetch_l2(mbase[t] + ahead * QCOLS + skip * groups * QCOLS);
     }
     vi total[MB][NV];
-    group_sums<MB, NT, BITS>(tg, xs.q.data() + xs.word(m0, W * g), total, std::integral_constant<int, ABITS>{});
+    group_sums<MB, NT, BITS, XS::ROWS>(tg, xs.q.data() + xs.word(m0, W * g), total,
+                                       std::integral_constant<int, XS::BITS>{});
     UNROLL for (int v = 0; v < NV; ++v) {
       const int t = v / kColVecs, c = v % kColVecs;
       const vf dv = simd::load(dbase[t] + g * QCOLS + c * L), mv = simd::load(mbase[t] + g * QCOLS + c * L);
@@ -976,29 +982,23 @@ void qgemm_tile(const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt
   }
 }
 
-template <int NT, int BITS, int ABITS, typename T>
-void qgemm_block(int MB, const QRows<ABITS>& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+// A pass over `rows` (1 .. MB) rows: qgemm_tile built for exactly that many.
+template <int MB, int NT, int BITS, typename XS, typename T>
+void qgemm_rows(int rows, const XS& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
+                const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[NT],
+                int64_t tile_bytes, const int (&cols)[NT]) {
+  if constexpr (MB > 1)
+    if (rows < MB) return qgemm_rows<MB - 1, NT, BITS>(rows, xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+  qgemm_tile<MB, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
+}
+
+// A pass over MB rows, at most the rows XS interleaves (one-tile passes: fewer than STREAM_ROWS).
+template <int NT, int BITS, typename XS, typename T>
+void qgemm_block(int MB, const XS& xs, int64_t m0, int64_t K, const uint8_t* wt, const c10::Half* dt,
                  const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[NT],
                  int64_t tile_bytes, const int (&cols)[NT]) {
-  if constexpr (NT < kPassTiles) {  // fewer than STREAM_ROWS rows
-    static_assert(STREAM_ROWS <= 3, "one-tile passes are built for 1 and 2 rows");
-    if (MB == 1) return qgemm_tile<1, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    return qgemm_tile<2, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-  }
-  switch (MB) {
-    case 1: return qgemm_tile<1, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    case 2: return qgemm_tile<2, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    case 3: return qgemm_tile<3, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-#if defined(__AVX512F__)
-    case 4: return qgemm_tile<4, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    case 5: return qgemm_tile<5, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    case 6: return qgemm_tile<6, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    case 7: return qgemm_tile<7, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-    default: return qgemm_tile<8, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-#else
-    default: return qgemm_tile<4, NT, BITS>(xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
-#endif
-  }
+  constexpr int most = NT < kPassTiles ? std::min<int>(XS::ROWS, STREAM_ROWS - 1) : XS::ROWS;
+  qgemm_rows<most, NT, BITS>(MB, xs, m0, K, wt, dt, mt, bias, y, N, tiles, tile_bytes, cols);
 }
 
 #else  // portable: the same sums in scalar code
@@ -1017,18 +1017,18 @@ inline int32_t weight_at(const uint8_t* tg, int col, int k) {
 }
 
 // Row m's rounded value at k (0..31) of group g (QROWS is 1: a row's words are in order).
-template <int ABITS>
-inline int32_t x_at(const QRows<ABITS>& xs, int64_t m, int64_t g, int k) {
-  const int32_t* words = xs.q.data() + xs.word(m, QRows<ABITS>::WORDS * g);
-  if constexpr (ABITS == 16) return reinterpret_cast<const int16_t*>(words)[k];
+template <typename XS>
+inline int32_t x_at(const XS& xs, int64_t m, int64_t g, int k) {
+  const int32_t* words = xs.q.data() + xs.word(m, XS::WORDS * g);
+  if constexpr (XS::BITS == 16) return reinterpret_cast<const int16_t*>(words)[k];
   return reinterpret_cast<const int8_t*>(words)[quad_byte(k)];
 }
 
 constexpr int kPassTiles = 1;
 constexpr int64_t STREAM_ROWS = 0;
 
-template <int NT, int BITS, int ABITS, typename T>
-void qgemm_block(int, const QRows<ABITS>& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
+template <int NT, int BITS, typename XS, typename T>
+void qgemm_block(int, const XS& xs, int64_t m, int64_t K, const uint8_t* wt, const c10::Half* dt,
                  const c10::Half* mt, const float* bias, T* y, int64_t N, const int64_t (&tiles)[1], int64_t tile_bytes,
                  const int (&cols)[1]) {
   const int64_t groups = K / 32, n0 = tiles[0] * QCOLS;
@@ -1116,17 +1116,23 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
       else passes(std::integral_constant<int, kPassTiles>{}, begin, end);
     });
   };
+  // x rounded as QRows<act_bits, RB> (one or two rows alone, more in blocks of QROWS), then
+  // the passes
+  auto with_rows = [&](auto xs, const auto* xp, auto* yp) {
+    quantize_rows(xp, M, K, xs);
+    if (bits == 4) run(std::integral_constant<int, 4>{}, xs, yp);
+    else if constexpr (decltype(xs)::BITS == 16) run(std::integral_constant<int, 8>{}, xs, yp);
+  };
+  auto with_bits = [&](auto abits, const auto* xp, auto* yp) {
+    constexpr int A = decltype(abits)::value;
+    if (M == 1 || QROWS == 1) return with_rows(QRows<A, 1>{}, xp, yp);
+    if constexpr (QROWS > 2)
+      if (M == 2) return with_rows(QRows<A, 2>{}, xp, yp);
+    with_rows(QRows<A>{}, xp, yp);
+  };
   auto with_x = [&](const auto* xp, auto* yp) {
-    if (act_bits == 8) {
-      QRows<8> xs;
-      quantize_rows(xp, M, K, xs);
-      run(std::integral_constant<int, 4>{}, xs, yp);
-    } else {
-      QRows<16> xs;
-      quantize_rows(xp, M, K, xs);
-      if (bits == 4) run(std::integral_constant<int, 4>{}, xs, yp);
-      else run(std::integral_constant<int, 8>{}, xs, yp);
-    }
+    if (act_bits == 8) with_bits(std::integral_constant<int, 8>{}, xp, yp);
+    else with_bits(std::integral_constant<int, 16>{}, xp, yp);
   };
   if (xt == at::kFloat) with_x(xc.data_ptr<float>(), y.data_ptr<float>());
   else if (xt == at::kBFloat16) with_x(xc.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
