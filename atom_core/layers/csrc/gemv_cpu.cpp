@@ -1094,7 +1094,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   const c10::Half* dp = d.data_ptr<c10::Half>();
   const c10::Half* mp = mn.data_ptr<c10::Half>();
   auto run = [&](auto bits_tag, const auto& xs, auto* yp) {
-    constexpr int B = decltype(bits_tag)::value;
+    constexpr int B = decltype(bits_tag)::value, RB = std::decay_t<decltype(xs)>::ROWS;
     const int64_t tile_bytes = groups * B * 64;
     auto passes = [&](auto tiles_tag, int64_t begin, int64_t end) {
       constexpr int NT = decltype(tiles_tag)::value;
@@ -1106,9 +1106,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
           pass[i] = std::min(t + i, end - 1);
           cols[i] = t + i < end ? static_cast<int>(std::min<int64_t>(16, N - (t + i) * 16)) : 0;
         }
-        for (int64_t m0 = 0; m0 < M; m0 += QROWS)  // past QROWS rows the tiles come from cache
-          qgemm_block<NT, B>(static_cast<int>(std::min<int64_t>(QROWS, M - m0)), xs, m0, K, qp, dp, mp, bp, yp, N,
-                             pass, tile_bytes, cols);
+        for (int64_t m0 = 0; m0 < M; m0 += RB)  // past RB rows the tiles come from cache
+          qgemm_block<NT, B>(static_cast<int>(std::min<int64_t>(RB, M - m0)), xs, m0, K, qp, dp, mp, bp, yp, N, pass,
+                             tile_bytes, cols);
       }
     };
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
