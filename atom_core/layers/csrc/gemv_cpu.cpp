@@ -1125,7 +1125,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d,
   };
   auto with_bits = [&](auto abits, const auto* xp, auto* yp) {
     constexpr int A = decltype(abits)::value;
-    if (M == 1 || QROWS == 1) return with_rows(QRows<A, 1>{}, xp, yp);
+    if (M == 1) return with_rows(QRows<A, 1>{}, xp, yp);
     if constexpr (QROWS > 2)
       if (M == 2) return with_rows(QRows<A, 2>{}, xp, yp);
     with_rows(QRows<A>{}, xp, yp);
